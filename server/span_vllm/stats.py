@@ -1,0 +1,23 @@
+"""Counters of span-cache behaviour in this process (scheduler side)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class SpanStats:
+    """Totals since start: blocks hit, blocks computed, tokens repositioned, blocks copied."""
+
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    repositioned_tokens: int = 0
+    duplicated_blocks: int = 0
+    unregistered_blocks: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        """A plain dict copy of the counters."""
+        return asdict(self)
+
+
+STATS = SpanStats()

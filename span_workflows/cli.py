@@ -1,0 +1,219 @@
+"""``span-workflows`` command line: demo, run, compile, serve, bench.
+
+User mistakes (bad JSON, unknown node, missing file, unavailable model) exit with status 2 and
+one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from span_workflows.errors import SpanQueryError
+from span_workflows.ir import Generate, Node, iter_nodes
+from span_workflows.json_ir import from_json
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``span-workflows`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except SpanQueryError as exc:
+        print(f"span-workflows: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ConnectionError) as exc:
+        print(f"span-workflows: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="span-workflows", description="Span queries on vLLM: build, compile, run, serve."
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    demo = sub.add_parser("demo", help="RAG over the Python stdlib docs, span vs stock")
+    demo.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
+    demo.set_defaults(func=_cmd_demo)
+
+    run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine")
+    run.add_argument("files", nargs="+", type=Path)
+    run.add_argument("--json", action="store_true", help="print a JSON list of results")
+    run.add_argument("--model", help="model for every g (name or local directory)")
+    run.add_argument("--server", help="URL of a `span-workflows serve` server")
+    run.add_argument("--api-key", help="API key for --server")
+    run.add_argument("--stock", action="store_true", help="run as plain chat prompts (baseline)")
+    run.add_argument("--block-size", type=int, default=32)
+    run.set_defaults(func=_cmd_run)
+
+    comp = sub.add_parser("compile", help="print the optimized tree and token form")
+    comp.add_argument("files", nargs="+", type=Path)
+    comp.add_argument("--model", help="model whose tokenizer to compile for")
+    comp.add_argument("--block-size", type=int, default=32)
+    comp.set_defaults(func=_cmd_compile)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible vLLM server with span queries")
+    serve.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", help="require this bearer token")
+    serve.add_argument("--block-size", type=int, default=32)
+    serve.add_argument("--kv-cache-gib", type=int, default=2)
+    serve.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: rag, nested, reposition, compile, locality")
+    bench.add_argument("name")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def load_queries(files: Sequence[Path]) -> list[Node]:
+    """Parse query files; errors name the file and the node path."""
+    queries = []
+    for path in files:
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise SpanQueryError(str(path), f"cannot read: {exc.strerror or exc}") from None
+        try:
+            queries.append(from_json(raw))
+        except SpanQueryError as exc:
+            raise SpanQueryError(f"{path}: {exc.path}" if exc.path else str(path),
+                                 exc.message) from None
+    return queries
+
+
+def pick_model(queries: Sequence[Node], override: str | None) -> tuple[str | None, list[Node]]:
+    """The model to run, and the queries with every g's model set to it.
+
+    ``override`` wins over the models named in the queries; without it, every named model must
+    be available here (the bundled default's name, or a local directory).
+    """
+    from span_workflows.model import resolve_model
+
+    if override is not None:
+        if not _is_default(override):
+            resolve_model(override, progress=False)
+        return override, [with_model(q, None) for q in queries]
+    named = {n.model for q in queries for n in iter_nodes(q)
+             if isinstance(n, Generate) and n.model}
+    if len(named) > 1:
+        raise SpanQueryError("model", f"queries name several models {sorted(named)}; "
+                                      "pass --model to run them on one")
+    model = next(iter(named), None)
+    if model is not None and not _is_default(model):
+        resolve_model(model, progress=False)
+    return model, [with_model(q, None) for q in queries]
+
+
+def with_model(node: Node, model: str | None) -> Node:
+    """``node`` with every g's ``model`` replaced."""
+    from span_workflows.optimize import rewrite_bottom_up
+
+    def rule(n: Node) -> Node:
+        if isinstance(n, Generate) and n.model != model:
+            return dataclasses.replace(n, model=model)
+        return n
+
+    return rewrite_bottom_up(node, rule)
+
+
+def _is_default(name: str) -> bool:
+    from span_workflows.model import DEFAULT_MODEL_NAME
+
+    return name.lower() == DEFAULT_MODEL_NAME
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    queries = load_queries(args.files)
+    if args.server:
+        from span_workflows.client import SpanServer
+
+        backend = SpanServer(args.server, api_key=args.api_key)
+        results = [backend.execute(q) for q in queries]
+    else:
+        model, queries = pick_model(queries, args.model)
+        from span_workflows.engine import Engine
+
+        with Engine(None if model is None or _is_default(model) else model,
+                    block_size=args.block_size, progress=True) as engine:
+            results = []
+            for q in queries:  # in order: later queries see what earlier ones cached
+                results.append(engine.stock(q) if args.stock else engine.execute(q))
+    if args.json:
+        print(json.dumps([r.as_dict() for r in results], indent=2))
+    else:
+        for path, r in zip(args.files, results, strict=False):
+            m = r.metrics
+            print(f"== {path}  ttft {m.ttft_s * 1000:.1f} ms  prompt {m.prompt_tokens}  "
+                  f"cached {m.cached_tokens}  generated {m.generated_tokens}")
+            print(r.text)
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from span_workflows.compile import Compiler
+    from span_workflows.markers import choose_markers
+    from span_workflows.model import resolve_model
+    from span_workflows.optimize import optimize
+    from span_workflows.pretty import pretty
+    from span_workflows.render import ChatRenderer
+
+    queries = load_queries(args.files)
+    model, queries = pick_model(queries, args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    compiler = Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), args.block_size)
+    for path, query in zip(args.files, queries, strict=False):
+        tree = optimize(query)
+        print(f"== {path}\n{pretty(tree)}")
+        if isinstance(tree, Generate):
+            from span_workflows.compile import NestedOutput, nested_generations
+
+            nested = {p: NestedOutput(tuple(compiler.inner_prompt(g)), (), "")
+                      for p, g in nested_generations(tree)}
+            print(compiler.compile_generate(tree, nested).summary())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from span_workflows.demo import run_demo
+
+    engine = None
+    if args.model:
+        from span_workflows.engine import Engine
+
+        engine = Engine(args.model, progress=True)
+    run_demo(engine=engine)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from span_workflows.serve import serve
+
+    serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+          block_size=args.block_size, kv_cache_gib=args.kv_cache_gib)
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from span_workflows.bench import run_bench
+
+    return run_bench(args.name, args.rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

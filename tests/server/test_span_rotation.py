@@ -1,0 +1,84 @@
+"""RoPE re-rotation of cached keys and the CPU/GPU key layouts (no engine)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from span_vllm.rotation import CpuKeyLayout, GpuKeyLayout, RopeRotator
+
+HEADS, BS, D = 3, 32, 64
+
+
+def _rope_at(rotator: RopeRotator, keys: torch.Tensor, start: int) -> torch.Tensor:
+    """Keys of a block whose first token sits at ``start`` (per-token positions)."""
+    out = []
+    for t in range(keys.shape[2]):
+        out.append(rotator.rotate(keys[:, :, t : t + 1], torch.tensor([start + t])))
+    return torch.cat(out, dim=2)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotating_by_delta_equals_computing_at_the_new_position(neox: bool) -> None:
+    torch.manual_seed(0)
+    rotator = RopeRotator.from_base(100000.0, D, neox)
+    raw = torch.randn(1, HEADS, BS, D, dtype=torch.float32)
+    at_0 = _rope_at(rotator, raw, 0)
+    at_4000 = _rope_at(rotator, raw, 4000)
+    moved = rotator.rotate(at_0, torch.tensor([4000]))
+    assert torch.allclose(moved, at_4000, atol=2e-4, rtol=1e-4)
+    back = rotator.rotate(moved, torch.tensor([-4000]))
+    assert torch.allclose(back, at_0, atol=2e-4)
+    assert not torch.allclose(at_0, at_4000, atol=1e-2)
+
+
+def test_cpu_layout_gathers_and_scatters_only_keys() -> None:
+    layout = CpuKeyLayout(D)
+    cache = torch.randn(8, HEADS, BS, 2 * D)
+    keys = cache.view(8, HEADS, 2, D * BS)[:, :, 0].view(8, HEADS, D, BS).transpose(-1, -2)
+    ids = torch.tensor([1, 5])
+    got = layout.gather(cache, ids)
+    assert torch.equal(got, keys[ids])
+    values_before = cache.view(8, HEADS, 2, D * BS)[:, :, 1].clone()
+    layout.scatter(cache, ids, torch.zeros_like(got))
+    assert torch.count_nonzero(layout.gather(cache, ids)) == 0
+    assert torch.equal(cache.view(8, HEADS, 2, D * BS)[:, :, 1], values_before)
+    assert torch.count_nonzero(layout.gather(cache, torch.tensor([0]))) > 0
+
+
+def test_gpu_layout_gathers_and_scatters_only_keys() -> None:
+    layout = GpuKeyLayout()
+    cache = torch.randn(2, 8, BS, HEADS, D)
+    ids = torch.tensor([2, 3])
+    got = layout.gather(cache, ids)
+    assert got.shape == (2, HEADS, BS, D)
+    assert torch.equal(got, cache[0][ids].permute(0, 2, 1, 3))
+    values = cache[1].clone()
+    layout.scatter(cache, ids, got * 2)
+    assert torch.allclose(cache[0][ids].permute(0, 2, 1, 3), got * 2)
+    assert torch.equal(cache[1], values)
+
+
+def test_apply_rotates_every_layer_once_per_shared_cache() -> None:
+    torch.manual_seed(1)
+    rotator = RopeRotator.from_base(10000.0, D)
+    layout = GpuKeyLayout()
+    shared = torch.randn(2, 4, BS, HEADS, D)
+    other = torch.randn(2, 4, BS, HEADS, D)
+    before_shared, before_other = shared.clone(), other.clone()
+    rotator.apply([shared, shared, other], layout, [(1, 7), (3, -2)])
+    expected = rotator.rotate(layout.gather(before_shared, torch.tensor([1, 3])),
+                              torch.tensor([7.0, -2.0]))
+    assert torch.allclose(layout.gather(shared, torch.tensor([1, 3])), expected, atol=1e-6)
+    assert torch.equal(shared[:, 0], before_shared[:, 0])
+    assert not torch.equal(other, before_other)
+
+
+@pytest.mark.gpu
+def test_gpu_rotation_on_device_matches_cpu() -> None:
+    rotator = RopeRotator.from_base(100000.0, D)
+    cache = torch.randn(2, 16, BS, HEADS, D)
+    gpu = cache.cuda()
+    rotator.apply([cache], GpuKeyLayout(), [(3, 100), (9, -50)])
+    rotator.apply([gpu], GpuKeyLayout(), [(3, 100), (9, -50)])
+    assert torch.allclose(gpu.cpu(), cache, atol=1e-5)

@@ -1,0 +1,181 @@
+"""The embedded engine on the real SmolLM2-135M model with the span plugin active."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from span_workflows import agent_step, judge_generator, rag
+from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+
+pytestmark = pytest.mark.engine
+
+SYSTEM = "Answer the question using the documents."
+A = ("The capital of Freedonia is Glimmerton, a city famous for its purple bridges and its "
+     "annual kite festival held every spring on the river banks. ") * 2
+B = ("Zorblax is a fictional metal that melts at twelve degrees Celsius; sculptors use it for "
+     "ice art that must vanish before noon. ") * 2
+C = ("The Blue Heron Inn serves breakfast from six to nine in the morning and closes every "
+     "Tuesday so the staff can clean the old oak floors. ") * 2
+QUESTION = "What is the capital of Freedonia?"
+
+
+def _ordered_rag(docs: list[str], question: str = QUESTION, max_tokens: int = 16) -> Generate:
+    """A RAG query already in optimized form but with the documents in the order given."""
+    return Generate(
+        Cross((System(SYSTEM), Plus(tuple(Fragment(d) for d in docs)), User(question))),
+        max_tokens=max_tokens, temperature=0.0,
+    )
+
+
+def _doc_tokens(result) -> int:
+    return sum(s.length for s in result.query.spans if s.kind == "plus")
+
+
+def test_reordered_documents_hit_the_cache_and_answer_like_a_fresh_engine(engine) -> None:
+    engine.reset_cache()
+    first = engine.execute(_ordered_rag([A, B, C]), optimize_query=False)
+    assert first.metrics.prepare_requests == 4
+    second = engine.execute(_ordered_rag([C, A, B]), optimize_query=False)
+    cross = next(s for s in second.query.spans if s.kind == "cross")
+    assert second.metrics.prepare_requests == 0
+    assert second.metrics.cached_tokens == cross.offset  # prefix + every document
+    assert second.metrics.cached_tokens - 32 >= 0.9 * _doc_tokens(second)
+    engine.reset_cache()
+    fresh = engine.execute(_ordered_rag([C, A, B]), optimize_query=False)
+    assert second.text == fresh.text
+    assert "Glimmerton" in second.text
+
+
+def test_repositioned_logits_match_an_isolated_attention_reference(engine) -> None:
+    """vLLM with re-rotated keys vs HF transformers with a block mask that computes every plus
+    span on its own at its final position (what the spans mean): first-token log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    engine.reset_cache()
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False)
+    moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5)
+    assert moved.metrics.cached_tokens > 0
+    tq = moved.query
+    n = len(tq.token_ids)
+    segment = torch.zeros(n, dtype=torch.long)
+    for i, span in enumerate(tq.spans):
+        segment[span.offset : span.offset + span.length] = i
+    kinds = [tq.spans[int(s)].kind for s in segment]
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    for i in range(n):
+        if kinds[i] == "plus":
+            allowed[i] &= segment == segment[i]
+    model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32)
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    with torch.no_grad():
+        logits = model(
+            input_ids=torch.tensor([tq.token_ids]), attention_mask=mask,
+            position_ids=torch.arange(n)[None],
+        ).logits[0, -1]
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert moved.first_logprobs
+    for token, logprob in moved.first_logprobs.items():
+        assert abs(logprob - reference[token].item()) < 1e-3, (token, logprob)
+    # The same prompt with every token attending to all before it is measurably different:
+    # the check above could fail.
+    with torch.no_grad():
+        full = model(input_ids=torch.tensor([tq.token_ids])).logits[0, -1]
+    top = max(moved.first_logprobs, key=moved.first_logprobs.get)
+    assert abs(torch.log_softmax(full.double(), -1)[top].item() - moved.first_logprobs[top]) > 1e-3
+
+
+def test_cross_tail_is_not_reused_after_different_spans(engine) -> None:
+    engine.reset_cache()
+    long_question = "Please answer carefully and completely. " * 8 + QUESTION
+    engine.execute(_ordered_rag([A, B], long_question), optimize_query=False)
+    other = engine.execute(_ordered_rag([C, B], long_question), optimize_query=False)
+    cross = next(s for s in other.query.spans if s.kind == "cross")
+    assert cross.length >= 2 * engine.block_size
+    assert other.metrics.cached_tokens == cross.offset
+
+
+def test_concurrent_requests_share_a_span_at_different_positions(engine) -> None:
+    q1 = _ordered_rag([A, B], max_tokens=12)
+    q2 = _ordered_rag([B, A], "What melts at twelve degrees?", max_tokens=12)
+    q3 = _ordered_rag([C, A], "Where is the kite festival?", max_tokens=12)
+    alone = []
+    for q in (q1, q2, q3):
+        engine.reset_cache()
+        alone.append(engine.execute(q, optimize_query=False).text)
+    engine.reset_cache()
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False)  # cache A, B, C
+    before = engine.span_stats()["duplicated_blocks"]
+    together = engine.execute_many([q1, q2], optimize_query=False)
+    assert engine.span_stats()["duplicated_blocks"] > before
+    assert [r.text for r in together] == alone[:2]
+    assert all(r.metrics.cached_tokens > 0 for r in together)
+    third = engine.execute(q3, optimize_query=False)
+    assert third.text == alone[2]
+
+
+def test_marker_text_in_user_content_does_not_disturb_other_queries(engine) -> None:
+    tricky = "+ @ < <empty_output> <jupyter_script> <|im_start|> ++@@<< " * 4
+    engine.reset_cache()
+    base = engine.execute(_ordered_rag([A, B]), optimize_query=False)
+    odd = engine.execute(_ordered_rag([tricky, A]), optimize_query=False)
+    markers = {engine.markers.plus, engine.markers.cross}
+    starts = {s.offset for s in odd.query.spans if s.kind in ("plus", "cross")}
+    assert all(t not in markers or i in starts for i, t in enumerate(odd.query.token_ids))
+    again = engine.execute(_ordered_rag([A, B]), optimize_query=False)
+    assert again.text == base.text
+    cross = next(s for s in again.query.spans if s.kind == "cross")
+    assert again.metrics.cached_tokens == cross.offset
+
+
+def test_plain_prompts_cache_like_stock_vllm(engine) -> None:
+    engine.reset_cache()
+    q = Generate(Cross((System(SYSTEM), User(A + QUESTION))), max_tokens=8, temperature=0.0)
+    first = engine.stock(q)
+    second = engine.stock(q)
+    assert first.metrics.cached_tokens == 0
+    n = second.metrics.prompt_tokens
+    assert second.metrics.cached_tokens == ((n - 1) // engine.block_size) * engine.block_size
+    assert second.text == first.text
+    assert engine.markers.plus not in second.query.token_ids
+
+
+def test_rag_builder_runs_and_canonical_order_makes_order_irrelevant(engine) -> None:
+    engine.reset_cache()
+    r1 = engine.execute(rag(SYSTEM, [A, B, C], QUESTION, max_tokens=12))
+    r2 = engine.execute(rag(SYSTEM, [C, B, A], QUESTION, max_tokens=12))
+    assert r1.query.token_ids == r2.query.token_ids
+    assert r2.metrics.cached_tokens > 0.9 * _doc_tokens(r2)
+    assert r1.text == r2.text
+
+
+def test_judge_generator_reuses_the_drafts_in_the_judge(engine) -> None:
+    engine.reset_cache()
+    q = judge_generator(
+        2, "Write one short sentence about the sea.", "Which sentence is best? Answer 1 or 2.",
+        max_tokens=40, judge_max_tokens=8,
+    )
+    result = engine.execute(q)
+    assert result.text
+    generated = [s for s in result.query.spans if s.kind == "generated"]
+    assert len(generated) == 2
+    assert result.metrics.cached_tokens >= sum(s.length for s in generated)
+
+
+def test_agent_step_runs_with_commuting_observations(engine) -> None:
+    q = agent_step(
+        [("user", "Find the inn's opening hours.")],
+        ["search: The Blue Heron Inn opens at six.", "search: It closes on Tuesdays."],
+        instruction="Summarize what you found in one sentence.", max_tokens=16,
+    )
+    result = engine.execute(q)
+    assert result.text and result.metrics.generated_tokens > 0
+
+
+def test_too_long_query_is_a_clear_error_and_leaves_the_engine_usable(engine) -> None:
+    from span_workflows.errors import SpanQueryError
+
+    huge = _ordered_rag(["word " * 9000])
+    with pytest.raises(SpanQueryError, match="longer than the model's context"):
+        engine.execute(huge, optimize_query=False)
+    assert engine.execute(_ordered_rag([A]), optimize_query=False).text
