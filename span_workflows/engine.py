@@ -40,6 +40,8 @@ class Metrics:
     generated_tokens: int
     prepare_requests: int = 0
     latency_s: float = 0.0
+    #: TTFT of the final generation request alone (after nested G's and prepares)
+    final_ttft_s: float = 0.0
 
     def as_dict(self) -> dict[str, float | int]:
         """The four documented metrics plus extras, as a JSON-ready dict."""
@@ -289,6 +291,7 @@ class Engine:
             generated_tokens=sum(len(t) for t in out.token_ids),
             prepare_requests=len(prepares),
             latency_s=out.finished - started,
+            final_ttft_s=out.first_token - out.submitted,
         )
         return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
                       first_logprobs=out.first_logprobs)

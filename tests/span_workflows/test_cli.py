@@ -1,0 +1,76 @@
+"""The ``span-workflows`` command line, run as a user runs it (a separate process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from span_workflows import rag, to_json
+
+CLI = [sys.executable, "-m", "span_workflows.cli"]
+DOCS = [
+    "The lighthouse on Gull Rock was built in 1871 and painted red and white.",
+    "Keeper Ada Lind kept the Gull Rock light burning for forty-two winters.",
+    "The Gull Rock foghorn sounds twice every thirty seconds in thick weather.",
+]
+
+
+def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.engine
+def test_run_json_shows_the_cache_hit_of_reordered_documents(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", to_json(rag("Answer briefly.", DOCS, "Who kept the light?",
+                                               max_tokens=12)))
+    b = _write(tmp_path, "b.json", to_json(rag("Answer briefly.", DOCS[::-1],
+                                               "When was it built?", max_tokens=12)))
+    done = _run("run", str(a), str(b), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    assert [set(r["metrics"]) >= {"ttft_s", "prompt_tokens", "cached_tokens",
+                                  "generated_tokens"} for r in results] == [True, True]
+    first, second = (r["metrics"] for r in results)
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
+    assert all(r["text"] for r in results)
+
+
+def test_compile_prints_the_tree_and_token_form(tmp_path: Path) -> None:
+    q = _write(tmp_path, "q.json", to_json(rag("sys", DOCS[:2], "q?")))
+    done = _run("compile", str(q))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "+" in done.stdout and "plus" in done.stdout and "cross" in done.stdout
+
+
+def test_bad_json_is_one_line_and_exit_status_2(tmp_path: Path) -> None:
+    bad = _write(tmp_path, "bad.json", '{"g": {"input": {"cross": [{"user": "a"}, '
+                                       '{"system": "b"}, {"plux": []}]}}}')
+    done = _run("run", str(bad))
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "input.cross[2]" in done.stderr and "plux" in done.stderr
+
+
+def test_unavailable_model_is_a_clear_error(tmp_path: Path) -> None:
+    q = _write(tmp_path, "q.json", json.dumps(
+        {"g": {"model": "spnl/ibm-granite/granite-3.3-2b-instruct", "input": {"user": "hi"},
+               "max_tokens": 4, "temperature": 0.0}}))
+    done = _run("run", str(q))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "not available" in done.stderr and "--model" in done.stderr
+
+
+def test_missing_file_is_a_clear_error(tmp_path: Path) -> None:
+    done = _run("run", str(tmp_path / "nope.json"))
+    assert done.returncode == 2 and "nope.json" in done.stderr and "Traceback" not in done.stderr
