@@ -1,0 +1,298 @@
+"""Execution plans of span queries, shared by the embedded engine and the server.
+
+A plan is a generator that yields *steps* and receives their answers:
+
+* a list of :class:`Request` (run them; answer with one :class:`Output` each, in order), or
+* a :class:`Probe` (which token sequences are all in the prefix cache now; answer with one
+  ``bool`` per sequence).
+
+Execution of one G: its nested G's first (concurrently when they commute), then *prepare*
+requests (``max_tokens=1``) for the prefix and every plus span the cache does not hold yet —
+batched, each computed alone so a span's cached KV never depends on its neighbours — then the
+main request, whose spans are cache hits repositioned to where they now sit.
+
+Plans advance in lockstep: :func:`gather` merges several plans into one, and the drivers
+(:func:`drive` for a synchronous engine loop, :func:`drive_async` for an async engine client)
+answer every probe before running any request, so all requests that can run together do.
+
+The planning mirrors :class:`span_workflows.engine.Engine`'s (same prompts, same prepares, same
+``Result``/``Metrics``); here the prefix-cache probe is a step of the plan rather than a direct
+call, so the same plan runs against an engine in another process (the server's engine core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from span_workflows.compile import Compiler, NestedOutput, TokenizedQuery, nested_generations
+from span_workflows.engine import Metrics, Result
+from span_workflows.errors import SpanQueryError
+from span_workflows.ir import Cross, Generate, Node, Plus
+from span_workflows.optimize import optimize
+
+
+@dataclass
+class Request:
+    """One generation to run. ``part`` is set on the final generation of a top-level G: its
+    index among the parts of the query's answer (for streaming); ``None`` elsewhere."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    n: int = 1
+    part: int | None = None
+
+
+@dataclass
+class Output:
+    """What a :class:`Request` produced, with its timings (``time.perf_counter`` seconds)."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    prompt_tokens: int
+    cached_tokens: int
+    submitted: float
+    first_token: float
+    finished: float
+
+
+@dataclass
+class Probe:
+    """Ask which of ``sequences`` (each hashed as if it started a request) are fully cached."""
+
+    sequences: list[list[int]]
+
+
+Step = list[Request] | Probe
+Plan = Generator[Step, Any, Result]
+
+#: What separates the parts of a top-level join in its text.
+PART_SEPARATOR = "\n\n"
+
+
+class Planner:
+    """Turns span queries into plans for one compiler and model context length."""
+
+    def __init__(self, compiler: Compiler, max_model_len: int) -> None:
+        self.compiler = compiler
+        self.block_size = compiler.block_size
+        self.max_model_len = max_model_len
+
+    def normalize(self, query: Node, optimize_query: bool = True, span_mode: bool = True) -> Node:
+        """The tree that is executed: optimized (span mode) or desugared in order (stock)."""
+        node = optimize(query) if optimize_query else query
+        if not span_mode:
+            node = ordered_for_stock(query)
+        return node
+
+    def plan_query(self, node: Node, span_mode: bool = True) -> Plan:
+        """The plan of a normalized query: a G or a top-level plus/cross of G's."""
+        if isinstance(node, Generate):
+            return self.plan_generate(node, span_mode, inline=False, part=0)
+        if isinstance(node, (Plus, Cross)):
+            return self.plan_join(node, span_mode)
+        raise SpanQueryError("", f"the top of a query must be a G (or a join of G's), not "
+                                 f"{type(node).__name__}")
+
+    def plan_join(self, node: Plus | Cross, span_mode: bool) -> Plan:
+        """A top-level join: a plus runs its G's together, a cross one after another."""
+        started = time.perf_counter()
+        key = "plus" if isinstance(node, Plus) else "cross"
+        for i, child in enumerate(node.children):
+            if not isinstance(child, Generate):
+                raise SpanQueryError(f"{key}[{i}]", "a top-level join must join G's")
+        if isinstance(node, Plus):
+            parts = yield from gather([
+                self.plan_generate(c, span_mode, inline=False, part=i)
+                for i, c in enumerate(node.children)
+            ])
+        else:
+            parts = []
+            for i, child in enumerate(node.children):
+                parts.append(
+                    (yield from self.plan_generate(child, span_mode, inline=False, part=i))
+                )
+        metrics = Metrics(
+            ttft_s=min(p.metrics.ttft_s for p in parts),
+            prompt_tokens=sum(p.metrics.prompt_tokens for p in parts),
+            cached_tokens=sum(p.metrics.cached_tokens for p in parts),
+            generated_tokens=sum(p.metrics.generated_tokens for p in parts),
+            prepare_requests=sum(p.metrics.prepare_requests for p in parts),
+            latency_s=time.perf_counter() - started,
+        )
+        return Result(PART_SEPARATOR.join(p.text for p in parts), metrics,
+                      [t for p in parts for t in p.texts], parts=parts)
+
+    def plan_generate(self, g: Generate, span_mode: bool, *, inline: bool,
+                      part: int | None = None) -> Plan:
+        """One G: nested G's, prepares of uncached spans, then the main request."""
+        started = time.perf_counter()
+        nested_nodes = nested_generations(g)
+        nested: dict[str, NestedOutput] = {}
+        if nested_nodes:
+            results = yield from gather([
+                self.plan_generate(child, span_mode, inline=span_mode and child.inline_prompt)
+                for _, child in nested_nodes
+            ])
+            for (path, _), result in zip(nested_nodes, results, strict=True):
+                assert result.query is not None
+                nested[path] = NestedOutput(
+                    tuple(result.query.token_ids), tuple(result.token_ids), result.text
+                )
+        if inline:
+            prompt = self.compiler.inner_prompt(g)
+            tq = TokenizedQuery(prompt, [], self.block_size, g.max_tokens, g.temperature, g.n)
+            check_fits(tq, self.max_model_len)
+        else:
+            tq = self.compiler.compile_generate(
+                g, nested, span_mode=span_mode, max_model_len=self.max_model_len
+            )
+        prepares: list[list[int]] = []
+        if span_mode and tq.prepare:
+            cached = yield Probe(tq.prepare)
+            prepares = missing(tq.prepare, cached)
+        if prepares:
+            yield [Request(p, 1, 0.0) for p in prepares]
+        max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
+        [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part)]
+        metrics = Metrics(
+            ttft_s=out.first_token - started,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            generated_tokens=sum(len(t) for t in out.token_ids),
+            prepare_requests=len(prepares),
+            latency_s=out.finished - started,
+            final_ttft_s=out.first_token - out.submitted,
+        )
+        return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq)
+
+
+def missing(sequences: Sequence[list[int]], cached: Sequence[bool]) -> list[list[int]]:
+    """The sequences not cached (per ``cached``), without duplicates, in order."""
+    unique: dict[tuple[int, ...], list[int]] = {}
+    for seq, hit in zip(sequences, cached, strict=True):
+        if not hit:
+            unique.setdefault(tuple(seq), seq)
+    return list(unique.values())
+
+
+def _start(plans: Sequence[Plan], results: list[Result | None]) -> dict[int, Step]:
+    pending: dict[int, Step] = {}
+    for i, plan in enumerate(plans):
+        try:
+            pending[i] = next(plan)
+        except StopIteration as stop:
+            results[i] = stop.value
+    return pending
+
+
+def _size(step: Step) -> int:
+    return len(step.sequences) if isinstance(step, Probe) else len(step)
+
+
+def _merge(pending: dict[int, Step]) -> tuple[Step, list[tuple[int, int]]]:
+    """The next merged step of ``pending`` plans: all their probes if any probe, else all
+    their requests; with ``(plan index, answer count)`` in answer order."""
+    probes = {i: s for i, s in pending.items() if isinstance(s, Probe)}
+    if probes:
+        order = [(i, len(s.sequences)) for i, s in probes.items()]
+        return Probe([q for s in probes.values() for q in s.sequences]), order
+    order = [(i, len(s)) for i, s in pending.items()]  # type: ignore[arg-type]
+    return [r for s in pending.values() for r in s], order  # type: ignore[union-attr]
+
+
+def _answer(plans: Sequence[Plan], pending: dict[int, Step], results: list[Result | None],
+            order: list[tuple[int, int]], answers: Sequence[Any]) -> None:
+    at = 0
+    for i, count in order:
+        try:
+            pending[i] = plans[i].send(list(answers[at:at + count]))
+        except StopIteration as stop:
+            results[i] = stop.value
+            del pending[i]
+        at += count
+
+
+def gather(plans: list[Plan]) -> Generator[Step, Any, list[Result]]:
+    """Advance several plans in lockstep; return their results in order."""
+    results: list[Result | None] = [None] * len(plans)
+    pending = _start(plans, results)
+    while pending:
+        step, order = _merge(pending)
+        answers = yield step
+        _answer(plans, pending, results, order, answers)
+    return [r for r in results if r is not None]
+
+
+def drive(plans: list[Plan], run: Callable[[list[Request]], list[Output]],
+          probe: Callable[[list[list[int]]], list[bool]]) -> list[Result]:
+    """Run plans to completion with a synchronous engine: ``run`` executes a batch of
+    requests together, ``probe`` answers cache probes."""
+    plan = gather(plans)
+    try:
+        step = next(plan)
+        while True:
+            answer = probe(step.sequences) if isinstance(step, Probe) else run(step)
+            step = plan.send(answer)
+    except StopIteration as stop:
+        return stop.value
+
+
+async def drive_async(plans: list[Plan], run: Callable[[Request], Awaitable[Output]],
+                      probe: Callable[[list[list[int]]], Awaitable[list[bool]]]) -> list[Result]:
+    """Run plans to completion with an async engine: ``run`` executes one request (the
+    requests of a step run concurrently), ``probe`` answers cache probes."""
+    plan = gather(plans)
+    try:
+        step = next(plan)
+        while True:
+            if isinstance(step, Probe):
+                answer: list[Any] = await probe(step.sequences)
+            else:
+                answer = list(await _all(run(r) for r in step))
+            step = plan.send(answer)
+    except StopIteration as stop:
+        return stop.value
+
+
+async def _all(coros: Any) -> list[Any]:
+    """Await coroutines concurrently; if one fails, cancel the rest and re-raise."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def ordered_for_stock(query: Node) -> Node:
+    """Desugar without canonical reordering, so stock prompts keep the order given."""
+    from span_workflows.optimize import desugar, distribute, flatten
+
+    node = query
+    for _ in range(64):
+        new = distribute(flatten(desugar(node)))
+        if new == node:
+            break
+        node = new
+    return node
+
+
+def check_fits(tq: TokenizedQuery, max_model_len: int) -> None:
+    """Raise :class:`SpanQueryError` if ``tq`` and its generation budget exceed the context."""
+    if len(tq.token_ids) + max(tq.max_tokens, 1) > max_model_len:
+        raise SpanQueryError(
+            "input", f"query is {len(tq.token_ids)} tokens, longer than the model's context "
+                     f"of {max_model_len} tokens")
+
+
+__all__ = [
+    "Metrics", "Output", "Plan", "Planner", "Probe", "Request", "Result", "Step", "check_fits",
+    "drive", "drive_async", "gather", "missing", "ordered_for_stock",
+]

@@ -1,0 +1,205 @@
+"""Start the span query server (``span-workflows serve``).
+
+:func:`serve` runs the server in the foreground (it replaces the current process);
+:func:`start_server_process` starts it in the background and waits until ``/health`` answers,
+for tests and notebooks. Both run ``python -m span_vllm.api`` — vLLM's OpenAI-compatible server
+with the span plugin active and ``/v1/query/execute`` added.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from span_workflows.markers import choose_markers
+from span_workflows.model import resolve_model
+
+LAUNCHER_MODULE = "span_vllm.api"
+
+_ENV_DEFAULTS = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+class ServerStartError(RuntimeError):
+    """The server process exited or did not become healthy in time."""
+
+
+def server_command(
+    model: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    block_size: int = 32,
+    extra_args: Sequence[str] = (),
+    *,
+    max_model_len: int | None = None,
+) -> list[str]:
+    """The command line of the server for a resolved model (see :func:`serve`)."""
+    model_dir = resolve_model(None if model is None else str(model), progress=True)
+    cmd = [
+        sys.executable, "-m", LAUNCHER_MODULE,
+        "--model", str(model_dir),
+        "--host", host,
+        "--port", str(int(port)),
+        "--block-size", str(int(block_size)),
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--dtype", "float32",  # as the embedded Engine; a later --dtype in extra_args wins
+    ]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(int(max_model_len))]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    cmd += [str(a) for a in extra_args]
+    return cmd
+
+
+def server_env(
+    model: str | Path | None = None,
+    kv_cache_gib: int = 2,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of the server: span mode on, its marker tokens, vLLM's settings."""
+    from transformers import AutoTokenizer
+
+    env = dict(os.environ if base is None else base)
+    for key, value in _ENV_DEFAULTS.items():
+        env.setdefault(key, value)
+    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    model_dir = resolve_model(None if model is None else str(model), progress=True)
+    markers = choose_markers(AutoTokenizer.from_pretrained(str(model_dir)))
+    env["SPAN_VLLM"] = "1"
+    env["SPAN_VLLM_PLUS_TOKEN"] = str(markers.plus)
+    env["SPAN_VLLM_CROSS_TOKEN"] = str(markers.cross)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+def serve(
+    model: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    block_size: int = 32,
+    kv_cache_gib: int = 2,
+    extra_args: Sequence[str] = (),
+) -> None:
+    """Run the span server in the foreground until interrupted (replaces this process).
+
+    ``model``: ``None``/``"smollm2-135m-instruct"`` or a local Hugging Face model directory.
+    ``extra_args`` are passed to vLLM's server as is (e.g. ``["--max-model-len", "4096"]``).
+    Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an unknown model.
+    """
+    cmd = server_command(model, host, port, api_key, block_size, extra_args)
+    env = server_env(model, kv_cache_gib)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)
+
+
+def start_server_process(
+    model: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    api_key: str | None = None,
+    block_size: int = 32,
+    kv_cache_gib: int = 2,
+    extra_args: Sequence[str] = (),
+    *,
+    timeout: float = 300.0,
+    log_path: str | Path | None = None,
+    max_model_len: int | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start the server in the background; return ``(process, url)`` once ``/health`` is 200.
+
+    ``port=None`` picks a free port. The process leads its own process group: stop it with
+    :func:`stop_server_process` (which also ends the engine processes it started). Output goes
+    to ``log_path`` (default: discarded). Raises :class:`ServerStartError` if the process exits
+    or is not healthy within ``timeout`` seconds (it is stopped then).
+    """
+    import httpx
+
+    port = free_port(host) if port is None else int(port)
+    cmd = server_command(model, host, port, api_key, block_size, extra_args,
+                         max_model_len=max_model_len)
+    env = server_env(model, kv_cache_gib)
+    log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        if log_path is not None:
+            log.close()  # type: ignore[union-attr]
+    url = f"http://{_url_host(host)}:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        code = proc.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"span server exited with code {code} before becoming healthy"
+                + (f" (log: {log_path})" if log_path else "")
+            )
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server_process(proc)
+            raise ServerStartError(f"span server at {url} not healthy after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def stop_server_process(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
+    """Stop a server from :func:`start_server_process` and every process it started."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    # The engine core and workers share the server's process group: end any left behind.
+    _signal_group(proc, signal.SIGKILL)
+    try:
+        return proc.wait(5)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _url_host(host: str) -> str:
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+__all__ = [
+    "ServerStartError", "free_port", "serve", "server_command", "server_env",
+    "start_server_process", "stop_server_process",
+]

