@@ -191,9 +191,9 @@ def print_table(rows: list[dict[str, Any]], console: Callable[[str], None] = pri
     keys = list(rows[0])
     cells = [[_fmt(r[k]) for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    console("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
+    console("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
     for c in cells:
-        console("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+        console("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
 
 
 def _fmt(value: Any) -> str:
