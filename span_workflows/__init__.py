@@ -53,14 +53,15 @@ from span_workflows.pretty import pretty
 
 if TYPE_CHECKING:
     from span_workflows.client import SpanServer
-    from span_workflows.engine import Engine, Metrics, Result
+    from span_workflows.engine import Engine
+    from span_workflows.result import Metrics, Result
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": "span_workflows.engine",
-    "Metrics": "span_workflows.engine",
-    "Result": "span_workflows.engine",
+    "Metrics": "span_workflows.result",
+    "Result": "span_workflows.result",
     "SpanServer": "span_workflows.client",
 }
 

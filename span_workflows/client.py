@@ -21,10 +21,10 @@ from typing import Any
 
 import httpx
 
-from span_workflows.engine import Metrics, Result
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Node
 from span_workflows.json_ir import to_obj
+from span_workflows.result import Metrics, Result
 
 EXECUTE_PATH = "/v1/query/execute"
 _RETRY_DELAY_S = 0.5

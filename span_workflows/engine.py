@@ -15,83 +15,18 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from span_workflows.compile import Compiler, NestedOutput, TokenizedQuery, nested_generations
 from span_workflows.errors import ModelNotAvailableError, SpanQueryError
-from span_workflows.ir import Cross, Generate, Node, Plus
+from span_workflows.ir import Generate, Node
 from span_workflows.markers import Markers, choose_markers
 from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
-from span_workflows.optimize import optimize
+from span_workflows.plan import Output, Planner, Request, drive
 from span_workflows.render import ChatRenderer
-
-
-@dataclass(frozen=True, slots=True)
-class Metrics:
-    """What one query cost. ``ttft_s`` runs from submitting the query (prepares included) to
-    the first token of its final generation."""
-
-    ttft_s: float
-    prompt_tokens: int
-    cached_tokens: int
-    generated_tokens: int
-    prepare_requests: int = 0
-    latency_s: float = 0.0
-    #: TTFT of the final generation request alone (after nested G's and prepares)
-    final_ttft_s: float = 0.0
-
-    def as_dict(self) -> dict[str, float | int]:
-        """The four documented metrics plus extras, as a JSON-ready dict."""
-        return {
-            "ttft_s": self.ttft_s, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens,
-            "prepare_requests": self.prepare_requests, "latency_s": self.latency_s,
-        }
-
-
-@dataclass
-class Result:
-    """The answer of a query: ``text`` (first sample), all ``texts``, metrics, token form."""
-
-    text: str
-    metrics: Metrics
-    texts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    query: TokenizedQuery | None = None
-    parts: list[Result] = field(default_factory=list)
-    #: top log-probabilities of the first generated token (when asked with ``logprobs=k``)
-    first_logprobs: dict[int, float] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        """``{"text", "metrics"}`` as the CLI prints it."""
-        return {"text": self.text, "metrics": self.metrics.as_dict()}
-
-
-@dataclass
-class _Request:
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    n: int = 1
-    logprobs: int | None = None
-
-
-@dataclass
-class _Output:
-    texts: list[str]
-    token_ids: list[list[int]]
-    prompt_tokens: int
-    cached_tokens: int
-    submitted: float
-    first_token: float
-    finished: float
-    first_logprobs: dict[int, float] = field(default_factory=dict)
-
-
-_Plan = Generator[list[_Request], list[_Output], Result]
+from span_workflows.result import Metrics, Result
 
 
 class Engine:
@@ -115,7 +50,9 @@ class Engine:
         seed: int = 0,
         max_num_seqs: int = 64,
         progress: bool = False,
+        locality_fanin: int | None = None,
     ) -> None:
+        self.locality_fanin = locality_fanin
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
         self.model_name = DEFAULT_MODEL_NAME if model is None else str(model)
         from transformers import AutoTokenizer
@@ -144,10 +81,11 @@ class Engine:
         self.max_model_len = self._engine.model_config.max_model_len
         self.renderer = ChatRenderer(self.tokenizer)
         self.compiler = Compiler(self.renderer, self.markers, block_size, crop=crop)
+        self.planner = Planner(self.compiler, self.max_model_len,
+                               locality_fanin=locality_fanin)
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
-        self._logprobs: int | None = None
 
     # -- public API -----------------------------------------------------------------------------
     def execute(self, query: Node, *, optimize_query: bool = True,
@@ -162,11 +100,14 @@ class Engine:
         ``span_mode=False`` is the stock baseline: the same queries as plain chat prompts (plus
         children in the order given), served by vLLM's ordinary prefix caching.
         """
-        prepared = [self._normalize(q, optimize_query, span_mode) for q in queries]
         with self._lock:
-            self._logprobs = logprobs
-            plans = [self._plan_query(q, span_mode) for q in prepared]
-            return self._drive(plans)
+            self.planner.logprobs = logprobs
+            plans = [
+                self.planner.plan_query(self.planner.normalize(q, optimize_query, span_mode),
+                                        span_mode)
+                for q in queries
+            ]
+            return drive(plans, self._run, self._probe)
 
     def stock(self, query: Node) -> Result:
         """Run ``query`` in stock mode (no spans), for comparison."""
@@ -174,7 +115,7 @@ class Engine:
 
     def compile(self, query: Node, *, span_mode: bool = True) -> TokenizedQuery:
         """Token form of a G query whose nested G's (if any) are not yet run: for inspection."""
-        node = self._normalize(query, True, span_mode)
+        node = self.planner.normalize(query, True, span_mode)
         if not isinstance(node, Generate):
             raise SpanQueryError("", "only a G at the top can be compiled alone")
         placeholders = {
@@ -216,124 +157,14 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- planning -------------------------------------------------------------------------------
-    def _normalize(self, query: Node, optimize_query: bool, span_mode: bool) -> Node:
-        node = optimize(query) if optimize_query else query
-        if not span_mode:
-            node = _ordered_for_stock(query)
-        return node
-
-    def _plan_query(self, node: Node, span_mode: bool) -> _Plan:
-        if isinstance(node, Generate):
-            return self._plan_generate(node, span_mode, inline=False)
-        if isinstance(node, (Plus, Cross)):
-            return self._plan_join(node, span_mode)
-        raise SpanQueryError("", f"the top of a query must be a G (or a join of G's), not "
-                                 f"{type(node).__name__}")
-
-    def _plan_join(self, node: Plus | Cross, span_mode: bool) -> _Plan:
-        started = time.perf_counter()
-        key = "plus" if isinstance(node, Plus) else "cross"
-        for i, child in enumerate(node.children):
-            if not isinstance(child, Generate):
-                raise SpanQueryError(f"{key}[{i}]", "a top-level join must join G's")
-        if isinstance(node, Plus):
-            parts = yield from _gather([
-                self._plan_generate(c, span_mode, inline=False) for c in node.children
-            ])
-        else:
-            parts = []
-            for child in node.children:
-                parts.append((yield from self._plan_generate(child, span_mode, inline=False)))
-        metrics = Metrics(
-            ttft_s=min(p.metrics.ttft_s for p in parts),
-            prompt_tokens=sum(p.metrics.prompt_tokens for p in parts),
-            cached_tokens=sum(p.metrics.cached_tokens for p in parts),
-            generated_tokens=sum(p.metrics.generated_tokens for p in parts),
-            prepare_requests=sum(p.metrics.prepare_requests for p in parts),
-            latency_s=time.perf_counter() - started,
-        )
-        return Result("\n\n".join(p.text for p in parts), metrics,
-                      [t for p in parts for t in p.texts], parts=parts)
-
-    def _plan_generate(self, g: Generate, span_mode: bool, *, inline: bool) -> _Plan:
-        started = time.perf_counter()
-        nested_nodes = nested_generations(g)
-        nested: dict[str, NestedOutput] = {}
-        if nested_nodes:
-            results = yield from _gather([
-                self._plan_generate(child, span_mode, inline=span_mode and child.inline_prompt)
-                for _, child in nested_nodes
-            ])
-            for (path, _), result in zip(nested_nodes, results, strict=False):
-                assert result.query is not None
-                nested[path] = NestedOutput(
-                    tuple(result.query.token_ids), tuple(result.token_ids), result.text
-                )
-        if inline:
-            prompt = self.compiler.inner_prompt(g)
-            tq = TokenizedQuery(prompt, [], self.block_size, g.max_tokens, g.temperature, g.n)
-            _check_fits(tq, self.max_model_len)
-        else:
-            tq = self.compiler.compile_generate(
-                g, nested, span_mode=span_mode, max_model_len=self.max_model_len
-            )
-        prepares = self._missing(tq.prepare) if span_mode else []
-        if prepares:
-            yield [_Request(p, 1, 0.0) for p in prepares]
-        max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
-        [out] = yield [_Request(tq.token_ids, max_tokens, tq.temperature, tq.n,
-                                None if inline else self._logprobs)]
-        metrics = Metrics(
-            ttft_s=out.first_token - started,
-            prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens,
-            generated_tokens=sum(len(t) for t in out.token_ids),
-            prepare_requests=len(prepares),
-            latency_s=out.finished - started,
-            final_ttft_s=out.first_token - out.submitted,
-        )
-        return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
-                      first_logprobs=out.first_logprobs)
-
-    def _missing(self, sequences: list[list[int]]) -> list[list[int]]:
-        """The prepare sequences whose blocks are not all in the prefix cache now."""
-        if not sequences:
-            return []
+    # -- the engine loop ------------------------------------------------------------------------
+    def _probe(self, sequences: list[list[int]]) -> list[bool]:
+        """Which sequences have all their blocks in the prefix cache now."""
         from span_vllm.patches import probe
 
-        core = self._engine.engine_core.engine_core
-        cached = probe(core, sequences)
-        unique: dict[tuple[int, ...], list[int]] = {}
-        for seq, hit in zip(sequences, cached, strict=False):
-            if not hit:
-                unique.setdefault(tuple(seq), seq)
-        return list(unique.values())
+        return probe(self._engine.engine_core.engine_core, sequences)
 
-    # -- the engine loop ------------------------------------------------------------------------
-    def _drive(self, plans: list[_Plan]) -> list[Result]:
-        results: list[Result | None] = [None] * len(plans)
-        pending: dict[int, list[_Request]] = {}
-        for i, plan in enumerate(plans):
-            try:
-                pending[i] = next(plan)
-            except StopIteration as stop:
-                results[i] = stop.value
-        while pending:
-            batch = [(i, r) for i, reqs in pending.items() for r in reqs]
-            outputs = self._run([r for _, r in batch])
-            by_plan: dict[int, list[_Output]] = {}
-            for (i, _), out in zip(batch, outputs, strict=False):
-                by_plan.setdefault(i, []).append(out)
-            for i, outs in by_plan.items():
-                try:
-                    pending[i] = plans[i].send(outs)
-                except StopIteration as stop:
-                    results[i] = stop.value
-                    del pending[i]
-        return [r for r in results if r is not None]
-
-    def _run(self, requests: list[_Request]) -> list[_Output]:
+    def _run(self, requests: list[Request]) -> list[Output]:
         from vllm import SamplingParams
 
         ids = []
@@ -369,7 +200,7 @@ class Engine:
                 {tok: lp.logprob for tok, lp in sample.logprobs[0].items()}
                 if sample.logprobs else {}
             )
-            results.append(_Output(
+            results.append(Output(
                 texts=[o.text for o in out.outputs],
                 token_ids=[list(o.token_ids) for o in out.outputs],
                 prompt_tokens=len(out.prompt_token_ids or []),
@@ -380,49 +211,6 @@ class Engine:
                 first_logprobs=first_logprobs,
             ))
         return results
-
-
-def _gather(plans: list[_Plan]) -> Generator[list[_Request], list[_Output], list[Result]]:
-    """Advance several plans in lockstep; return their results in order."""
-    results: list[Result | None] = [None] * len(plans)
-    pending: dict[int, list[_Request]] = {}
-    for i, plan in enumerate(plans):
-        try:
-            pending[i] = next(plan)
-        except StopIteration as stop:
-            results[i] = stop.value
-    while pending:
-        order = [(i, len(reqs)) for i, reqs in pending.items()]
-        outs = yield [r for reqs in pending.values() for r in reqs]
-        at = 0
-        for i, count in order:
-            try:
-                pending[i] = plans[i].send(outs[at:at + count])
-            except StopIteration as stop:
-                results[i] = stop.value
-                del pending[i]
-            at += count
-    return [r for r in results if r is not None]
-
-
-def _ordered_for_stock(query: Node) -> Node:
-    """Desugar without canonical reordering, so stock prompts keep the order given."""
-    from span_workflows.optimize import desugar, distribute, flatten
-
-    node = query
-    for _ in range(64):
-        new = distribute(flatten(desugar(node)))
-        if new == node:
-            break
-        node = new
-    return node
-
-
-def _check_fits(tq: TokenizedQuery, max_model_len: int) -> None:
-    if len(tq.token_ids) + max(tq.max_tokens, 1) > max_model_len:
-        raise SpanQueryError(
-            "input", f"query is {len(tq.token_ids)} tokens, longer than the model's context "
-                     f"of {max_model_len} tokens")
 
 
 def _prepare_environment(markers: Markers, kv_cache_gib: int) -> None:

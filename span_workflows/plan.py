@@ -15,9 +15,9 @@ Plans advance in lockstep: :func:`gather` merges several plans into one, and the
 (:func:`drive` for a synchronous engine loop, :func:`drive_async` for an async engine client)
 answer every probe before running any request, so all requests that can run together do.
 
-The planning mirrors :class:`span_workflows.engine.Engine`'s (same prompts, same prepares, same
-``Result``/``Metrics``); here the prefix-cache probe is a step of the plan rather than a direct
-call, so the same plan runs against an engine in another process (the server's engine core).
+The embedded :class:`span_workflows.engine.Engine` and the server both run these plans; the
+prefix-cache probe is a step of the plan, so the same plan runs against an engine core in this
+process or in another one.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from span_workflows.compile import Compiler, NestedOutput, TokenizedQuery, nested_generations
-from span_workflows.engine import Metrics, Result
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Cross, Generate, Node, Plus
 from span_workflows.optimize import optimize
+from span_workflows.result import Metrics, Result
 
 
 @dataclass
@@ -45,6 +45,7 @@ class Request:
     temperature: float
     n: int = 1
     part: int | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Output:
     submitted: float
     first_token: float
     finished: float
+    first_logprobs: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,14 +79,18 @@ PART_SEPARATOR = "\n\n"
 class Planner:
     """Turns span queries into plans for one compiler and model context length."""
 
-    def __init__(self, compiler: Compiler, max_model_len: int) -> None:
+    def __init__(self, compiler: Compiler, max_model_len: int, *,
+                 locality_fanin: int | None = None) -> None:
+        self.locality_fanin = locality_fanin
         self.compiler = compiler
         self.block_size = compiler.block_size
         self.max_model_len = max_model_len
+        #: top-k log-probabilities to record for each final generation's first token
+        self.logprobs: int | None = None
 
     def normalize(self, query: Node, optimize_query: bool = True, span_mode: bool = True) -> Node:
         """The tree that is executed: optimized (span mode) or desugared in order (stock)."""
-        node = optimize(query) if optimize_query else query
+        node = optimize(query, locality_fanin=self.locality_fanin) if optimize_query else query
         if not span_mode:
             node = ordered_for_stock(query)
         return node
@@ -158,7 +164,8 @@ class Planner:
         if prepares:
             yield [Request(p, 1, 0.0) for p in prepares]
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
-        [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part)]
+        [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
+                               None if inline else self.logprobs)]
         metrics = Metrics(
             ttft_s=out.first_token - started,
             prompt_tokens=out.prompt_tokens,
@@ -168,7 +175,8 @@ class Planner:
             latency_s=out.finished - started,
             final_ttft_s=out.first_token - out.submitted,
         )
-        return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq)
+        return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
+                      first_logprobs=out.first_logprobs)
 
 
 def missing(sequences: Sequence[list[int]], cached: Sequence[bool]) -> list[list[int]]:

@@ -41,7 +41,8 @@ def test_run_json_shows_the_cache_hit_of_reordered_documents(tmp_path: Path) -> 
     assert [set(r["metrics"]) >= {"ttft_s", "prompt_tokens", "cached_tokens",
                                   "generated_tokens"} for r in results] == [True, True]
     first, second = (r["metrics"] for r in results)
-    assert first["cached_tokens"] == 0
+    # The first query computes its documents in prepare requests; the second finds them all.
+    assert first["prepare_requests"] > 0 and second["prepare_requests"] == 0
     assert second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
     assert all(r["text"] for r in results)
 

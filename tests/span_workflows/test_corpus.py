@@ -1,0 +1,166 @@
+"""Tests for span_workflows.corpus: chunking, the stdlib corpus and the cached vector index."""
+
+from __future__ import annotations
+
+import pytest
+
+from span_workflows.corpus import (
+    MAX_WORDS,
+    MIN_WORDS,
+    STDLIB_MODULES,
+    Passage,
+    VectorIndex,
+    chunk_documents,
+    chunk_words,
+    content_hash,
+    stdlib_passages,
+    word_count,
+)
+
+
+def _words(n: int, tag: str = "w") -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+# -- chunking ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 59, 60, 120, 121, 239, 240, 241, 1000])
+def test_chunk_words_bounds_and_coverage(n):
+    text = _words(n)
+    pieces = chunk_words(text)
+    assert all(word_count(p) <= MAX_WORDS for p in pieces)
+    assert " ".join(pieces) == text
+    if n > MAX_WORDS:
+        assert all(word_count(p) >= MIN_WORDS for p in pieces)
+    else:
+        assert pieces == [text]
+
+
+def test_chunk_words_collapses_whitespace():
+    assert chunk_words("a\n\n  b\tc ") == ["a b c"]
+    assert chunk_words("   ") == []
+
+
+def test_chunk_documents_long_docs_keep_their_source():
+    docs = [("m.long", _words(250, "x")), ("m.mid", _words(80, "y"))]
+    out = chunk_documents(docs, group="m")
+    assert [p.source for p in out] == ["m.long", "m.long", "m.long", "m.mid"]
+    assert all(MIN_WORDS <= word_count(p.text) <= MAX_WORDS for p in out)
+
+
+def test_chunk_documents_packs_short_docs():
+    docs = [(f"m.f{i}", _words(25, f"f{i}_")) for i in range(5)]
+    out = chunk_documents(docs, group="m")
+    # 25+25+25 reaches 60 → one packed passage; 25+25 left over merges into it (125 > 120: no).
+    assert out[0].source == "m: f0, f1, f2"
+    assert word_count(out[0].text) == 75
+    assert out[1].source == "m: f3, f4"
+    assert word_count(out[1].text) == 50
+    assert all(word_count(p.text) <= MAX_WORDS for p in out)
+
+
+def test_chunk_documents_merges_small_remainder():
+    docs = [(f"m.f{i}", _words(30, f"f{i}_")) for i in range(2)] + [("m.tail", "one two")]
+    out = chunk_documents(docs, group="m")
+    assert len(out) == 1
+    assert out[0].source == "m: f0, f1, tail"
+    assert out[0].text.endswith("one two")
+
+
+def test_chunk_documents_single_short_doc_keeps_plain_source():
+    assert chunk_documents([("m.only", "short doc")], group="m") == [Passage("short doc", "m.only")]
+
+
+# -- the stdlib corpus ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus() -> list[Passage]:
+    return stdlib_passages()
+
+
+def test_stdlib_corpus_size_and_determinism(corpus):
+    assert len(corpus) >= 200
+    assert stdlib_passages() == corpus
+    assert len(set(corpus)) > 0.95 * len(corpus)
+
+
+def test_stdlib_passage_lengths(corpus):
+    assert all(0 < word_count(p.text) <= MAX_WORDS for p in corpus)
+    short = [i for i, p in enumerate(corpus) if word_count(p.text) < MIN_WORDS]
+    # Only a module's last passage may fall short of MIN_WORDS.
+    for i in short:
+        module = corpus[i].source.split(":")[0]
+        if i + 1 < len(corpus):
+            assert corpus[i + 1].source.split(":")[0] != module
+    assert len(short) < 0.1 * len(corpus)
+
+
+def test_stdlib_sources(corpus):
+    sources = {p.source for p in corpus}
+    assert {"json", "json.dumps", "csv.reader"} <= sources
+    prefixes = tuple(STDLIB_MODULES)
+    assert all(p.source.startswith(prefixes) for p in corpus)
+    modules = {m for m in STDLIB_MODULES if any(p.source.startswith(m) for p in corpus)}
+    assert len(modules) >= 55
+    assert not any(" at 0x" in p.text for p in corpus)
+
+
+# -- the vector index ----------------------------------------------------------------------------
+TEXTS = [
+    "The json module serializes Python objects to JSON strings with dumps and parses them "
+    "back with loads.",
+    "The csv module reads and writes comma separated value files one row at a time.",
+    "The datetime module supplies classes for manipulating dates and times, such as now().",
+    "The gzip module compresses and decompresses files in the gzip format.",
+]
+SOURCES = ["json", "csv", "datetime", "gzip"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPAN_WORKFLOWS_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("convert a dictionary into a JSON text", "json"),
+    ("iterate over the lines of a spreadsheet export", "csv"),
+    ("what time is it right now", "datetime"),
+    ("shrink a file with compression", "gzip"),
+])
+def test_from_texts_nearest_neighbour(cache, query, expected):
+    index = VectorIndex.from_texts(TEXTS, SOURCES)
+    hits = index.search(query, k=2)
+    assert len(hits) == 2
+    assert hits[0].source == expected
+    scored = index.search_scored(query, k=4)
+    assert [s for _, s in scored] == sorted((s for _, s in scored), reverse=True)
+
+
+def test_index_is_cached_and_reused(cache):
+    first = VectorIndex.from_texts(TEXTS, SOURCES)
+    assert not first.loaded_from_cache
+    assert first.path.parent == cache / "indexes"
+    files = {name: (first.path / name).stat().st_mtime_ns
+             for name in ("index.faiss", "passages.json")}
+    second = VectorIndex.from_texts(TEXTS, SOURCES)
+    assert second.loaded_from_cache
+    assert second.path == first.path
+    assert {n: (first.path / n).stat().st_mtime_ns for n in files} == files
+    assert second.search("parse JSON", k=1)[0].source == "json"
+    other = VectorIndex.from_texts(TEXTS[:2], SOURCES[:2])
+    assert not other.loaded_from_cache and other.path != first.path
+
+
+def test_content_hash_covers_sources():
+    a = [Passage("text", "a")]
+    assert content_hash(a) == content_hash([Passage("text", "a")])
+    assert content_hash(a) != content_hash([Passage("text", "b")])
+
+
+def test_from_texts_defaults_and_errors(cache):
+    index = VectorIndex.from_texts(TEXTS[:2])
+    assert [p.source for p in index.passages] == ["text[0]", "text[1]"]
+    assert len(index.search("csv rows", k=10)) == 2
+    with pytest.raises(ValueError):
+        VectorIndex.from_texts(TEXTS, SOURCES[:1])
+    with pytest.raises(ValueError):
+        VectorIndex.from_texts([])

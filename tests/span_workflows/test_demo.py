@@ -1,0 +1,37 @@
+"""The stdlib RAG demo on the real engine (one question, a small csv index, to stay fast)."""
+
+from __future__ import annotations
+
+import pytest
+
+from span_workflows.corpus import VectorIndex, chunk_documents, module_documents
+from span_workflows.demo import DEFAULT_QUESTIONS, run_demo
+
+pytestmark = pytest.mark.engine
+
+
+def test_run_demo_one_question(engine):
+    passages = chunk_documents(module_documents("csv"), group="csv")
+    index = VectorIndex([*passages], progress=False)
+    lines: list[str] = []
+    question = DEFAULT_QUESTIONS[1]
+    rows = run_demo(engine, questions=[question], k=3, console=lines.append, index=index,
+                    max_tokens=16)
+
+    assert [(r["question"], r["order"]) for r in rows] == [
+        (question, "retrieved"), (question, "reversed"),
+    ]
+    first, again = rows
+    for row in rows:
+        assert row["answer"].strip()
+        assert len(row["sources"]) == 3 and all(row["sources"])
+        assert row["span_prompt_tokens"] > 0 and row["stock_prompt_tokens"] > 0
+        assert row["span_ttft_s"] > 0 and row["stock_ttft_s"] > 0
+    assert again["sources"] == list(reversed(first["sources"]))
+    assert "csv.reader" in first["sources"]
+    # Position-independent reuse: the reordered span run finds the documents in the cache.
+    assert again["span_cached_tokens"] > 0
+    assert again["span_cached_tokens"] >= again["stock_cached_tokens"]
+    assert again["span"]["prepare_requests"] == 0
+    report = "\n".join(lines)
+    assert "Cached tokens: span" in report and "RAG over the Python stdlib docs" in report
