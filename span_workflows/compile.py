@@ -245,6 +245,9 @@ class _Builder:
                 seg = seg[:keep]
             else:
                 seg = self._pad(seg)
+            # Whole blocks of it were cached by the inner generation; a padded last block is
+            # not, so it is prepared alone like any span (the probe skips what is cached).
+            self.prepare.append(seg)
             self._emit(seg, "generated", min(content, len(seg)), f"G@{path}")
         else:
             messages = _messages_of(node, path)

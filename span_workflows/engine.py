@@ -180,15 +180,26 @@ class Engine:
         first: dict[str, float] = {}
         done: dict[str, Any] = {}
         finished_at: dict[str, float] = {}
+        short: set[str] = set()
+        by_id = dict(zip(ids, requests, strict=True))
         try:
             while len(done) < len(ids):
                 for out in self._engine.step():
                     now = time.perf_counter()
-                    if out.request_id not in first and any(o.token_ids for o in out.outputs):
-                        first[out.request_id] = now
+                    rid = out.request_id
+                    if rid in done:
+                        continue
+                    if rid not in first and any(o.token_ids for o in out.outputs):
+                        first[rid] = now
+                        if int(out.num_cached_tokens or 0) < by_id[rid].min_cached:
+                            self._engine.abort_request([rid])
+                            short.add(rid)
+                            done[rid] = out
+                            finished_at[rid] = now
+                            continue
                     if out.finished:
-                        done[out.request_id] = out
-                        finished_at[out.request_id] = now
+                        done[rid] = out
+                        finished_at[rid] = now
         except BaseException:
             self._engine.abort_request([r for r in ids if r not in done])
             raise
@@ -209,6 +220,7 @@ class Engine:
                 first_token=first.get(rid, finished_at[rid]),
                 finished=finished_at[rid],
                 first_logprobs=first_logprobs,
+                short=rid in short,
             ))
         return results
 

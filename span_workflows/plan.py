@@ -46,6 +46,8 @@ class Request:
     n: int = 1
     part: int | None = None
     logprobs: int | None = None
+    #: abort after the first step if fewer prompt tokens than this came from the cache
+    min_cached: int = 0
 
 
 @dataclass
@@ -60,6 +62,9 @@ class Output:
     first_token: float
     finished: float
     first_logprobs: dict[int, float] = field(default_factory=dict)
+    #: the request was aborted after its first step: its cache hits fell short of
+    #: ``Request.min_cached`` (a prepared span was evicted before it was used)
+    short: bool = False
 
 
 @dataclass
@@ -157,26 +162,47 @@ class Planner:
             tq = self.compiler.compile_generate(
                 g, nested, span_mode=span_mode, max_model_len=self.max_model_len
             )
-        prepares: list[list[int]] = []
-        if span_mode and tq.prepare:
-            cached = yield Probe(tq.prepare)
-            prepares = missing(tq.prepare, cached)
-        if prepares:
-            yield [Request(p, 1, 0.0) for p in prepares]
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
-        [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
-                               None if inline else self.logprobs)]
+        expected = _expected_hits(tq) if span_mode else 0
+        prepared = 0
+        for attempt in range(MAX_ATTEMPTS):
+            prepares: list[list[int]] = []
+            if span_mode and tq.prepare:
+                cached = yield Probe(tq.prepare)
+                # After an eviction, prepare every span again: those already cached are
+                # then in use, and freshest in the cache, while the missing ones compute.
+                prepares = missing(tq.prepare, [False] * len(cached) if attempt else cached)
+            if prepares:
+                yield [Request(p, 1, 0.0) for p in prepares]
+                prepared += len(prepares)
+            last = attempt == MAX_ATTEMPTS - 1
+            [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
+                                   None if inline else self.logprobs,
+                                   0 if last else expected)]
+            if not out.short:
+                break
         metrics = Metrics(
             ttft_s=out.first_token - started,
             prompt_tokens=out.prompt_tokens,
             cached_tokens=out.cached_tokens,
             generated_tokens=sum(len(t) for t in out.token_ids),
-            prepare_requests=len(prepares),
+            prepare_requests=prepared,
             latency_s=out.finished - started,
             final_ttft_s=out.first_token - out.submitted,
         )
         return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
                       first_logprobs=out.first_logprobs)
+
+
+MAX_ATTEMPTS = 3
+
+
+def _expected_hits(tq: TokenizedQuery) -> int:
+    """Prompt tokens that must come from the cache for every span to have been computed alone:
+    everything before the final ordered tail (0 when the prompt has no spans)."""
+    if not tq.spans or not any(s.kind in ("plus", "generated") for s in tq.spans):
+        return 0
+    return tq.spans[-1].offset
 
 
 def missing(sequences: Sequence[list[int]], cached: Sequence[bool]) -> list[list[int]]:

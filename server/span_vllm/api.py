@@ -194,20 +194,30 @@ class SpanQueryService:
         submitted = time.perf_counter()
         first: float | None = None
         final = None
-        async for out in self.engine.generate(
+        short = False
+        outputs_stream = self.engine.generate(
             TokensPrompt(prompt_token_ids=list(req.prompt)), params, f"span-{uuid.uuid4().hex}"
-        ):
+        )
+        async for out in outputs_stream:
             if first is None and any(o.token_ids for o in out.outputs):
                 first = time.perf_counter()
+                if int(out.num_cached_tokens or 0) < req.min_cached:
+                    # A prepared span was evicted before use: stop here (nothing was
+                    # streamed yet); the plan prepares again and retries.
+                    short = True
+                    final = out
+                    break
             if live is not None:
                 for o in out.outputs:
                     if o.index == 0:
                         live.update(req.part, o.text)  # type: ignore[arg-type]
             final = out
+        if short:
+            await outputs_stream.aclose()  # aborts the request in the engine
         finished = time.perf_counter()
         if final is None:
             raise RuntimeError("the engine returned no output")
-        if live is not None:
+        if live is not None and not short:
             live.finish(req.part)  # type: ignore[arg-type]
         outputs = sorted(final.outputs, key=lambda o: o.index)
         return Output(
@@ -218,6 +228,7 @@ class SpanQueryService:
             submitted=submitted,
             first_token=first if first is not None else finished,
             finished=finished,
+            short=short,
         )
 
     async def refresh_stats(self, timeout: float = 5.0) -> dict[str, int]:

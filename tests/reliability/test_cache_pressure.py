@@ -1,0 +1,198 @@
+"""Cache pressure: a server whose KV cache (48 blocks of 32 tokens, ``--num-gpu-blocks-override``)
+holds about three queries while the working set is ~20 documents of 3 blocks. Evictions happen
+every few requests; every output must equal the same request run alone on a fresh cache
+(``/reset_prefix_cache``), including spans that were repositioned or duplicated, then evicted
+and re-created."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.json_ir import to_obj
+from span_workflows.serve import start_server_process, stop_server_process
+
+pytestmark = pytest.mark.engine
+
+BLOCKS = 48
+TOPICS = ["otters", "glaciers", "violins", "comets", "bakeries", "tides", "falcons", "deserts",
+          "lanterns", "orchards", "volcanoes", "libraries", "harbors", "meteors", "beehives",
+          "canyons", "ferries", "mosses", "windmills", "coral reefs"]
+#: 20 documents of about 80-90 tokens: with the plus marker, template and padding, 3 blocks.
+DOCS = [f"Document {i} is about {t}. " + f"People who study {t} write long notes about "
+        f"{t}, compare {t} across seasons and argue about {t} at length. " * 2
+        for i, t in enumerate(TOPICS)]
+SYSTEM = "Answer in a few words using the documents."
+STATS: dict[str, int] = {}
+
+
+@contextmanager
+def dev_mode_env():
+    """vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start)."""
+    old = os.environ.get("VLLM_SERVER_DEV_MODE")
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
+        else:
+            os.environ["VLLM_SERVER_DEV_MODE"] = old
+
+
+def query(docs: list[int], question: str = "Which topics appear?", system: str = SYSTEM,
+          max_tokens: int = 5) -> dict:
+    node = Generate(Cross((System(system), Plus(tuple(Fragment(DOCS[d]) for d in docs)),
+                           User(question))), max_tokens=max_tokens, temperature=0.0)
+    return {"query": to_obj(node), "optimize": False}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("pressure") / "server.log"
+    with dev_mode_env():
+        proc, url = start_server_process(
+            kv_cache_gib=1, timeout=400, log_path=log, max_model_len=1024,
+            extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "8"])
+    try:
+        yield url
+    finally:
+        stop_server_process(proc)
+
+
+@pytest.fixture(scope="module")
+def http(server: str):
+    with httpx.Client(base_url=server, timeout=120) as client:
+        yield client
+
+
+def reset(http: httpx.Client) -> None:
+    deadline = time.monotonic() + 30
+    while not http.post("/reset_prefix_cache").json().get("success"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+
+
+def run(http: httpx.Client, payload: dict) -> dict:
+    answer = http.post("/v1/query/execute", json=payload)
+    assert answer.status_code == 200, answer.text[:500]
+    return answer.json()
+
+
+def span_counters(http: httpx.Client) -> dict[str, float]:
+    text = http.get("/metrics").text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^span_(\w+)_total (\S+)$", text, re.M)}
+
+
+class Alone:
+    """Outputs of requests run alone on a fresh cache (memoized by request)."""
+
+    def __init__(self, http: httpx.Client) -> None:
+        self.http = http
+        self.texts: dict[str, str] = {}
+
+    def __call__(self, payload: dict) -> str:
+        key = repr(payload)
+        if key not in self.texts:
+            reset(self.http)
+            self.texts[key] = run(self.http, payload)["text"]
+        return self.texts[key]
+
+
+@pytest.fixture(scope="module")
+def alone(http: httpx.Client) -> Alone:
+    return Alone(http)
+
+
+def _workload(seed: int, count: int) -> list[list[int]]:
+    """``count`` queries of 4 documents; every 5 consecutive ones cover all 20 documents
+    (60 blocks > the cache), each document in a shuffled order."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        docs = [(4 * i + k + i // 5) % len(DOCS) for k in range(4)]
+        rng.shuffle(docs)
+        out.append(docs)
+    return out
+
+
+def test_sequential_requests_under_eviction_equal_alone(http, alone) -> None:
+    distinct = _workload(1, 10)
+    expected = [alone(query(d)) for d in distinct]
+    reset(http)
+    evicted = 0
+    for round_ in range(3):
+        for i in random.Random(round_).sample(range(len(distinct)), len(distinct)):
+            answer = run(http, query(distinct[i]))
+            if round_ and answer["metrics"]["prepare_requests"] > 0:
+                evicted += 1  # its spans were cached before, so they were evicted since
+            assert answer["text"] == expected[i], (distinct[i], round_)
+    STATS["sequential_requests"] = 3 * len(distinct)
+    STATS["sequential_re_prepared"] = evicted
+    assert evicted >= len(distinct)  # eviction every few requests, not a warm cache
+
+
+def test_repositioned_block_evicted_and_recreated(http, alone) -> None:
+    a, b, c, d = 0, 1, 2, 3
+    orders = [[a, b, c, d], [d, c, b, a], [b, d, a, c]]
+    expected = [alone(query(o)) for o in orders]
+    flood = [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+    reset(http)
+    before = span_counters(http)
+    assert run(http, query(orders[0]))["text"] == expected[0]
+    moved = run(http, query(orders[1]))
+    assert moved["metrics"]["prepare_requests"] == 0  # every span a cache hit ...
+    assert moved["text"] == expected[1]
+    middle = span_counters(http)
+    assert middle["repositioned_tokens"] > before["repositioned_tokens"]  # ... re-rotated
+    for docs in flood:
+        run(http, query(docs))
+    again = run(http, query(orders[2]))
+    assert again["metrics"]["prepare_requests"] > 0  # evicted, re-created
+    assert again["text"] == expected[2]
+    assert run(http, query(orders[0]))["text"] == expected[0]
+
+
+def _concurrent(http: httpx.Client, payloads: list[dict]) -> list[dict]:
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        return list(pool.map(lambda p: run(http, p), payloads))
+
+
+def test_duplicated_blocks_under_pressure_equal_alone(http, alone) -> None:
+    """Concurrent requests read the same documents at different positions (the scheduler
+    duplicates blocks), while the tiny cache evicts between rounds."""
+    rounds = [
+        [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]],
+        [[4, 5, 6, 7], [7, 4, 5, 6], [8, 9, 10, 11]],
+        [[0, 1, 2, 3], [2, 0, 3, 1], [12, 13, 14, 15]],
+        [[16, 17, 18, 19], [19, 18, 17, 16], [0, 4, 8, 12]],
+    ]
+    expected = {repr(o): alone(query(o)) for r in rounds for o in r}
+    reset(http)
+    before = span_counters(http)
+    mismatched = []
+    for r in rounds:
+        for order, answer in zip(r, _concurrent(http, [query(o) for o in r]), strict=True):
+            if answer["text"] != expected[repr(order)]:
+                mismatched.append((order, answer["text"], expected[repr(order)],
+                                   answer["metrics"]))
+    after = span_counters(http)
+    STATS["concurrent_requests"] = sum(len(r) for r in rounds)
+    STATS["duplicated_blocks"] = int(after["duplicated_blocks"] - before["duplicated_blocks"])
+    STATS["repositioned_tokens"] = int(after["repositioned_tokens"]
+                                       - before["repositioned_tokens"])
+    assert not mismatched, mismatched
+    assert http.get("/health").status_code == 200
+
+
+def test_report_pressure_figures() -> None:
+    print(f"\ncache pressure ({BLOCKS} blocks of 32 tokens): {STATS}")

@@ -1,0 +1,54 @@
+"""Each benchmark runs on tiny sizes and writes rows with the documented keys (no timing
+assertions: speed goals live in the benchmarks themselves)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from span_workflows import bench
+
+RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s", "ttft_floor_s",
+            "speedup_hit", "speedup_miss", "hit_rate", "same_output"}
+
+
+@pytest.mark.engine
+def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
+    rows = bench.bench_rag(engine, [1, 2], doc_tokens=48, reps=1, progress=False)
+    assert [r["n_docs"] for r in rows] == [1, 2]
+    for row in rows:
+        assert set(row) == RAG_KEYS
+        assert row["ttft_span_hit_s"] > 0 and row["ttft_stock_s"] > 0
+        assert 0.9 <= row["hit_rate"] <= 1.0
+        assert row["same_output"] is True
+
+
+@pytest.mark.engine
+def test_nested_and_compile_benches_run(engine) -> None:
+    nested = bench.bench_nested(engine, [2], reps=1, progress=False)
+    assert set(nested[0]) == {"fanout", "ttft_judge_stock_s", "ttft_judge_span_s", "speedup"}
+    comp = bench.bench_compile(engine, [1, 2], doc_tokens=48, reps=1)
+    assert all(0 < r["compile_s"] and r["share_of_hit_ttft"] > 0 for r in comp)
+
+
+def test_reposition_bench_compares_with_a_plain_copy() -> None:
+    rows = bench.bench_reposition([1, 4], reps=1)
+    assert [r["tokens"] for r in rows] == [32, 128]
+    assert all(r["rotate_tokens_per_ms"] > 0 and r["ratio_to_copy"] > 0 for r in rows)
+
+
+def test_cli_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    assert bench.run_bench("reposition", ["--blocks", "1,2", "--reps", "1", "--json", str(out),
+                                          "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2 and png.stat().st_size > 1000
+
+
+def test_unknown_benchmark_is_a_clear_error() -> None:
+    from span_workflows.errors import SpanQueryError
+
+    with pytest.raises(SpanQueryError, match="unknown benchmark"):
+        bench.run_bench("nope", [])
