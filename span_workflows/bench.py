@@ -10,6 +10,8 @@ meaningful on a shared, noisy machine even when absolute times are not.
 * ``nested`` — judge/generator with a fan-out of n drafts: TTFT of the judge call.
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query.
+* ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
+  rewrite, crop on and off (:mod:`span_workflows.bench_locality`).
 """
 
 from __future__ import annotations
@@ -241,12 +243,25 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
     parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16])
     parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256])
     parser.add_argument("--model", help="local HF model directory")
+    parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800])
+    parser.add_argument("--trials", type=int, default=8)
+    parser.add_argument("--positions", type=lambda t: [p for p in t.split(",") if p],
+                        default=["start", "middle", "end"])
+    parser.add_argument("--no-crop", action="store_true",
+                        help="locality: run with cropping off only (default: on and off)")
+    parser.add_argument("--markdown", type=Path, help="locality: write the table here")
+    parser.add_argument("--copy-tokens", type=int, default=8,
+                        help="locality: tokens each inner generation copies (0: all)")
     args = parser.parse_args(list(argv))
-    if name not in ("rag", "nested", "reposition", "compile"):
+    if name not in ("rag", "nested", "reposition", "compile", "locality"):
         from span_workflows.errors import SpanQueryError
 
         raise SpanQueryError("bench", f"unknown benchmark {name!r} "
-                                      "(rag, nested, reposition, compile)")
+                                      "(rag, nested, reposition, compile, locality)")
+    if name == "locality":
+        from span_workflows.bench_locality import run_locality
+
+        return run_locality(args)
     if name == "reposition":
         rows = bench_reposition(args.blocks, args.reps)
         x, ys, label = "blocks", ["rotate_tokens_per_ms", "copy_tokens_per_ms"], "tokens / ms"

@@ -227,18 +227,25 @@ def canonical_order(node: Node) -> Node:
 PASSES: tuple[Pass, ...] = (desugar, flatten, distribute, canonical_order)
 
 
-def optimize(node: Node, *, max_rounds: int = 64) -> Node:
+def optimize(node: Node, *, max_rounds: int = 64, locality_fanin: int | None = None) -> Node:
     """Validate ``node``, then apply :data:`PASSES` until a round changes nothing.
 
     Returns the normal form described in the module docstring (``node`` itself when it is
     already in normal form). Raises :class:`~span_workflows.errors.SpanQueryError` for an
     invalid query, ``ValueError`` for a bad ``max_rounds`` and ``RuntimeError`` if no fixed
     point is reached within ``max_rounds`` rounds (a bug: two rounds always suffice).
+
+    ``locality_fanin`` (an int >= 2; off by default) first applies the attention-locality
+    rewrite, :func:`span_workflows.locality.tournament`, once, after desugaring.
     """
     if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
         raise ValueError(f"max_rounds must be a positive int, got {max_rounds!r}")
     validate(node)
     current = node
+    if locality_fanin is not None:
+        from span_workflows.locality import tournament
+
+        current = tournament(flatten(desugar(current)), locality_fanin)
     for _ in range(max_rounds):
         result = current
         for rewrite in PASSES:

@@ -1,0 +1,344 @@
+"""``span-workflows bench locality``: needle in a haystack, flat judge vs tournament.
+
+The paper's attention-locality experiment: 8 inner generations each produce a text; exactly one
+of them holds a random name (the needle) at its start, middle or end, surrounded by hay; a judge
+reads all 8 and must name the needle. The *flat* judge reads the 8 texts at once,
+``G(x(S, +(G1..G8), U))``; the *tournament* (:func:`span_workflows.locality.tournament`, fan-in 2)
+has 2-way judges in 3 rounds, each copying out the name it found, so no judge attends over more
+than two texts.
+
+**How the inner texts are made (the honest variant).** SmolLM2-135M cannot reliably *write*
+hay of a given length around a given name, so each inner generation is a *copy task*:
+``G(U("Repeat this text exactly:\n\n<text>"), temperature=0)``, as in the paper where the
+generators are told the name to write. The inner G's are real nested generations under the
+judge's plus: the judge reuses each one's prompt and output span, exactly the KV computed while
+generating, and cropping (``engine.compiler.crop``) drops the partial trailing KV block of each
+one. Each inner G writes at most ``copy_tokens`` tokens (default 8; ``--copy-tokens 0`` copies
+the whole text) because decoding hundreds of tokens per candidate is too slow on a shared CPU;
+the text with the needle is therefore in the inner *prompt*, which cropping never cuts (it
+only drops output tokens of a partial block), so crop on/off measures the effect of the cut
+output on the judge, not the loss of the needle. With ``--copy-tokens 0`` a needle at the
+``end`` sits at the end of the copy, where cropping can cut it (it is still in the prompt).
+``hay_chars=0`` means each text is one sentence: the needle sentence in one text, a neutral
+sentence at the same place in the others. The hay is bland English sentences without proper
+names, drawn per text and trial; names and placements come from a seeded RNG.
+
+**Scoring.** The answer is normalised (lower case, punctuation and articles dropped); *exact*
+means it equals the name, *F1* is SQuAD's token F1 against the name, *contains* means the name
+is one of the answer's words (e.g. "The secret name is Octavia"). ``flat_accuracy`` and
+``tournament_accuracy`` are exact-match fractions; ``*_f1`` columns are mean token F1; ``±`` are
+95 % Wilson intervals (half-widths) of the exact-match fraction over ``trials``. Crop on and off
+use the same engine (``engine.compiler.crop`` toggled) and the same inner outputs (temperature
+0), so the columns are paired.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from span_workflows.builders import cross, g, plus, system, user
+from span_workflows.ir import Generate
+from span_workflows.locality import tournament
+
+NAMES = (
+    "Marigold", "Thaddeus", "Ophelia", "Bartholomew", "Zenobia", "Cornelius", "Evangeline",
+    "Percival", "Rosalind", "Leopold", "Octavia", "Ignatius", "Wilhelmina", "Ambrose",
+    "Seraphina", "Montgomery", "Clementine", "Barnaby", "Philippa", "Horatio", "Lucinda",
+    "Fitzgerald", "Gwendolyn", "Archibald",
+)
+HAY = (
+    "The river ran slowly past the old mill.", "Rain fell on the fields for most of the day.",
+    "A cart rolled down the road toward the market.", "The bakery opened early in the morning.",
+    "Children played near the fence behind the school.", "The wind turned cold after sunset.",
+    "Someone left a blue umbrella by the door.", "The bridge was painted again last spring.",
+    "Sheep grazed on the hill above the village.", "The clock in the square struck noon.",
+    "A small boat drifted along the quiet canal.", "The library closed an hour later than usual.",
+    "Fresh bread was stacked on the wooden shelves.", "Leaves gathered in the corners of the yard.",
+    "The train was a few minutes late that evening.", "Lanterns were hung along the garden path.",
+    "The soup simmered on the stove all afternoon.", "A dog barked twice and then went quiet.",
+    "The orchard trees were heavy with apples.", "Clouds moved quickly across the grey sky.",
+    "The shopkeeper counted coins behind the counter.", "A kettle whistled in the next room.",
+    "The path through the woods was muddy and narrow.", "Snow had melted from the rooftops.",
+)
+NEUTRAL = "Nothing else happened that day."
+SYSTEM = "You read texts and find the secret name hidden in one of them."
+JUDGE = "What is the secret name in the texts above? Answer with the name only."
+POSITIONS = ("start", "middle", "end")
+
+
+def passage(rng: random.Random, hay_chars: int, sentence: str, position: str) -> str:
+    """About ``hay_chars`` characters of hay (whole sentences) with ``sentence`` at
+    ``position`` (start, middle or end)."""
+    if position not in POSITIONS:
+        raise ValueError(f"position must be one of {POSITIONS}, got {position!r}")
+    hay: list[str] = []
+    while sum(len(s) + 1 for s in hay) < hay_chars:
+        hay.append(rng.choice(HAY))
+    at = {"start": 0, "middle": len(hay) // 2, "end": len(hay)}[position]
+    return " ".join(hay[:at] + [sentence] + hay[at:])
+
+
+def make_trial(rng: random.Random, hay_chars: int, position: str, candidates: int = 8,
+               max_tokens_of: Any = None, copy_tokens: int = 8) -> tuple[Generate, str]:
+    """One flat judge query and its needle: ``candidates`` copy-task G's, one with the name.
+
+    Each inner G may write up to ``copy_tokens`` tokens of its copy (0: the whole text, sized
+    with ``max_tokens_of(text)`` tokens when given)."""
+    name = rng.choice(NAMES)
+    needle_at = rng.randrange(candidates)
+    inner = []
+    for i in range(candidates):
+        sentence = f"The secret name is {name}." if i == needle_at else NEUTRAL
+        text = passage(rng, hay_chars, sentence, position)
+        budget = (max_tokens_of(text) if max_tokens_of else len(text) // 3) + 8
+        if copy_tokens:
+            budget = min(budget, copy_tokens)
+        inner.append(g(user(f"Repeat this text exactly:\n\n{text}"), max_tokens=budget,
+                       temperature=0.0))
+    query = g(cross(system(SYSTEM), plus(*inner), user(JUDGE)), max_tokens=12, temperature=0.0)
+    return query, name
+
+
+def normalize(text: str) -> str:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(answer: str, gold: str) -> bool:
+    """Normalised answer equals the normalised name."""
+    return normalize(answer) == normalize(gold)
+
+
+def token_f1(answer: str, gold: str) -> float:
+    """SQuAD token F1 of the normalised answer against the normalised name."""
+    pred, ref = normalize(answer).split(), normalize(gold).split()
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if not pred or not ref or not common:
+        return float(pred == ref)
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of ``successes / n`` as ``(low, high)``."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _pm(successes: int, n: int) -> float:
+    low, high = wilson(successes, n)
+    return (high - low) / 2
+
+
+def bench_locality(engine: Any, hay_chars: Sequence[int] = (0, 200, 400, 800),
+                   trials: int = 8, positions: Sequence[str] = POSITIONS,
+                   crop_modes: Sequence[bool] = (True, False), fanin: int = 2, seed: int = 0,
+                   copy_tokens: int = 8, batch: int = 4, progress: bool = True,
+                   log: Any = None, on_row: Any = None) -> list[dict[str, Any]]:
+    """One row per (hay length, needle position): exact match and F1 of the flat judge and of
+    the tournament, for each crop mode: with both modes the unsuffixed columns are crop on and
+    the ``_nocrop`` ones crop off; with one mode, ``crop`` says which. See the module docstring.
+    Runs ``batch`` trials at a time (their flat and tournament queries together)."""
+    from tqdm.auto import tqdm
+
+    def tokens_of(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    crop_before = engine.compiler.crop
+    rows: list[dict[str, Any]] = []
+    cells = [(h, p) for h in hay_chars for p in positions]
+    try:
+        for hay, position in tqdm(cells, desc="locality", disable=not progress):
+            rng = random.Random(f"{seed}-{hay}-{position}")
+            made = [make_trial(rng, hay, position, max_tokens_of=tokens_of,
+                               copy_tokens=copy_tokens) for _ in range(trials)]
+            queries = [q for q, _ in made]
+            golds = [name for _, name in made]
+            local = [tournament(q, fanin) for q in queries]
+            row: dict[str, Any] = {"hay_chars": hay, "position": position, "trials": trials,
+                                   "crop": crop_modes[0]}
+            engine.reset_cache()  # once per cell: the second crop mode reuses the inner KV
+            for crop in crop_modes:
+                engine.compiler.crop = crop
+                flat, tour = [], []
+                for at in range(0, trials, batch):  # bounded batches: no KV-cache thrashing
+                    part = engine.execute_many(queries[at:at + batch] + local[at:at + batch])
+                    half = len(part) // 2
+                    flat += part[:half]
+                    tour += part[half:]
+                suffix = "_nocrop" if not crop and len(crop_modes) > 1 else ""
+                _score(row, "flat", flat, golds, suffix)
+                _score(row, "tournament", tour, golds, suffix)
+                if log is not None:
+                    log({"hay_chars": hay, "position": position, "crop": crop,
+                         "gold": golds, "flat": [r.text for r in flat],
+                         "tournament": [r.text for r in tour]})
+            rows.append(_ordered_row(row))
+            if on_row is not None:
+                on_row(rows[-1])
+    finally:
+        engine.compiler.crop = crop_before
+    order = {p: i for i, p in enumerate(POSITIONS)}
+    return sorted(rows, key=lambda r: (r["hay_chars"], order[r["position"]]))
+
+
+def _score(row: dict[str, Any], kind: str, results: list[Any], golds: list[str],
+           suffix: str) -> None:
+    hits = sum(exact_match(r.text, gold) for r, gold in zip(results, golds, strict=True))
+    f1 = sum(token_f1(r.text, gold) for r, gold in zip(results, golds, strict=True))
+    n = len(golds)
+    row[f"{kind}_accuracy{suffix}"] = hits / n
+    row[f"{kind}_pm{suffix}"] = _pm(hits, n)
+    row[f"{kind}_f1{suffix}"] = f1 / n
+    row[f"{kind}_contains{suffix}"] = sum(
+        normalize(gold) in normalize(r.text).split() for r, gold in zip(results, golds, strict=True)
+    ) / n
+    row[f"{kind}_prompt_tokens{suffix}"] = round(
+        sum(r.metrics.prompt_tokens for r in results) / n
+    )
+
+
+def _ordered_row(row: dict[str, Any]) -> dict[str, Any]:
+    head = ["hay_chars", "position", "trials", "flat_accuracy", "tournament_accuracy"]
+    return {k: row[k] for k in head if k in row} | {k: v for k, v in row.items()
+                                                     if k not in head}
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table: exact match ± Wilson half-width, F1 and "contains", flat
+    vs tournament, crop on (and off, when it was run)."""
+    modes = [("", "")] + ([("_nocrop", " no crop")] if any(
+        "flat_accuracy_nocrop" in r for r in rows) else [])
+    head = ["hay chars", "needle", "trials"]
+    for _, label in modes:
+        head += [f"flat EM{label}", f"tournament EM{label}", f"Δ EM{label}",
+                 f"flat F1{label}", f"tournament F1{label}", f"flat contains{label}",
+                 f"tournament contains{label}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [str(r["hay_chars"]), r["position"], str(r["trials"])]
+        for sfx, _ in modes:
+            cells += [
+                f"{r['flat_accuracy' + sfx]:.2f} ± {r['flat_pm' + sfx]:.2f}",
+                f"{r['tournament_accuracy' + sfx]:.2f} ± {r['tournament_pm' + sfx]:.2f}",
+                f"{100 * (r['tournament_accuracy' + sfx] - r['flat_accuracy' + sfx]):+.0f}",
+                f"{r['flat_f1' + sfx]:.2f}", f"{r['tournament_f1' + sfx]:.2f}",
+                f"{r.get('flat_contains' + sfx, float('nan')):.2f}",
+                f"{r.get('tournament_contains' + sfx, float('nan')):.2f}",
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> None:
+    """Exact match (top, Wilson 95 % error bars) and token F1 (bottom) vs hay length, one column
+    per needle position: flat (red) vs tournament (blue), crop on (solid) and off (dashed).
+    Saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    positions = list(dict.fromkeys(r["position"] for r in rows))
+    metrics = [("accuracy", "exact match"), ("f1", "token F1")]
+    fig, axes = plt.subplots(len(metrics), len(positions),
+                             figsize=(4.2 * len(positions), 3.2 * len(metrics)),
+                             sharey=True, sharex=True, squeeze=False)
+    styles = [("flat", "#c0392b"), ("tournament", "#2471a3")]
+    for col, position in enumerate(positions):
+        sub = sorted((r for r in rows if r["position"] == position),
+                     key=lambda r: r["hay_chars"])
+        xs = [r["hay_chars"] for r in sub]
+        for row_i, (metric, ylabel) in enumerate(metrics):
+            ax = axes[row_i][col]
+            for suffix, ls in (("", "-"), ("_nocrop", "--")):
+                if f"flat_{metric}{suffix}" not in sub[0]:
+                    continue
+                for kind, colour in styles:
+                    ys = [r[f"{kind}_{metric}{suffix}"] for r in sub]
+                    err = ([r[f"{kind}_pm{suffix}"] for r in sub] if metric == "accuracy"
+                           else None)
+                    name = kind + (" (no crop)" if suffix else "")
+                    ax.errorbar(xs, ys, yerr=err, color=colour, linestyle=ls, marker="o",
+                                capsize=3, label=name, alpha=0.6 if suffix else 0.95)
+            if row_i == 0:
+                ax.set_title(f"needle at {position}")
+            if row_i == len(metrics) - 1:
+                ax.set_xlabel("hay characters per text")
+            if col == 0:
+                ax.set_ylabel(ylabel)
+            ax.set_ylim(-0.05, 1.05)
+            ax.grid(True, alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_locality(args: Any) -> int:
+    """``span-workflows bench locality`` (``args`` from :func:`span_workflows.bench.run_bench`):
+    run, print the table, write ``--json`` (one row per hay length and needle position),
+    ``--markdown`` and ``--plot``."""
+    import json
+
+    from span_workflows.bench import print_table
+    from span_workflows.engine import Engine
+
+    for p in args.positions:
+        if p not in POSITIONS:
+            from span_workflows.errors import SpanQueryError
+
+            raise SpanQueryError("bench", f"unknown position {p!r} (start, middle, end)")
+    engine = Engine(args.model, kv_cache_gib=3, max_num_seqs=128, progress=True)
+    try:
+        partial = args.json.with_suffix(".partial.jsonl") if args.json else None
+
+        def on_row(row: dict[str, Any]) -> None:
+            print(json.dumps(row), flush=True)
+            if partial is not None:
+                with partial.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+        rows = bench_locality(engine, args.hay_chars, args.trials, args.positions,
+                              crop_modes=(False,) if args.no_crop else (True, False),
+                              copy_tokens=args.copy_tokens, on_row=on_row)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
+    finally:
+        engine.close()
+    print_table([{k: v for k, v in r.items() if "prompt_tokens" not in k} for r in rows])
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_table(rows))
+    if args.plot:
+        plot_locality(rows, args.plot, "needle in a haystack: flat judge vs tournament")
+    return 0
+
+
+__all__ = [
+    "NAMES", "POSITIONS", "bench_locality", "exact_match", "make_trial", "markdown_table",
+    "normalize", "passage", "plot_locality", "run_locality", "token_f1", "wilson",
+]
