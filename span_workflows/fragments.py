@@ -284,8 +284,27 @@ def set_default_engine(engine: Any) -> None:
         _default_engine = engine
 
 
+def run_query(query: Node, *, engine: Any = None, server: Any = None) -> Any:
+    """Run ``query`` on ``server`` (a ``SpanServer``) if given, else on ``engine`` or the
+    shared :func:`default_engine`; returns its ``Result``."""
+    if server is not None:
+        return server.execute(query)
+    return (engine or default_engine()).execute(query)
+
+
+async def arun_query(query: Node, *, engine: Any = None, server: Any = None) -> Any:
+    """Async :func:`run_query`: the server call is native async, the embedded engine runs in a
+    worker thread, so the event loop is never blocked."""
+    if server is not None:
+        return await server.aexecute(query)
+    import asyncio
+
+    return await asyncio.to_thread(run_query, query, engine=engine)
+
+
 __all__ = [
     "MAX_FRAGMENTS", "MAX_GLUE_CHARS", "MIN_FRAGMENT_CHARS", "Piece", "Run", "clear",
     "commutative_outputs", "default_engine", "find_fragments", "is_registered", "lift",
-    "lift_messages", "register", "register_all", "set_default_engine", "span_id",
+    "lift_messages", "register", "register_all", "run_query", "arun_query",
+    "set_default_engine", "span_id",
 ]

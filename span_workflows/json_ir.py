@@ -53,6 +53,7 @@ from span_workflows.ir import (
     Seq,
     System,
     User,
+    children_of,
 )
 from span_workflows.validate import MAX_DEPTH, join_path, validate
 
@@ -100,7 +101,7 @@ def to_obj(node: Node) -> object:
         current, expanded = stack.pop()
         if id(current) in done:
             continue
-        kids = _kids(current)
+        kids = children_of(current)
         if not expanded and kids:
             stack.append((current, True))
             stack.extend((k, False) for k in reversed(kids) if id(k) not in done)
@@ -309,22 +310,6 @@ def _scalar(value: object) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Tree -> JSON value
-
-
-def _kids(node: Node) -> tuple[Node, ...]:
-    if isinstance(node, (Plus, Cross, Seq)):
-        return node.children
-    if isinstance(node, Generate):
-        return (node.input,)
-    if isinstance(node, Chat):
-        return node.messages
-    if isinstance(node, Retrieve):
-        return node.fragments
-    if isinstance(node, Prepare):
-        return (node.child,)
-    if isinstance(node, Repeat):
-        return (node.g,)
-    return ()
 
 
 def _g_body(node: Generate, input_obj: object) -> dict:

@@ -40,6 +40,7 @@ from span_workflows.ir import (
     Seq,
     System,
     User,
+    children_of,
 )
 
 #: The deepest tree accepted, counted in nodes from the root to a leaf (the root is level 1;
@@ -106,7 +107,7 @@ def walk(node: Node) -> Iterator[tuple[str, Node]]:
     while stack:
         path, current = stack.pop()
         yield path, current
-        kids = _children(current)
+        kids = children_of(current)
         for i in range(len(kids) - 1, -1, -1):
             stack.append((join_path(path, child_segment(current, i)), kids[i]))
 
@@ -144,13 +145,13 @@ def validate(node: object) -> None:
             levels = _levels(current)
             if depth + levels - 1 > MAX_DEPTH:
                 raise SpanQueryError("", f"tree is deeper than {MAX_DEPTH} levels")
-            kids = _children(current)  # type: ignore[arg-type]
+            kids = children_of(current)  # type: ignore[arg-type]
             stack.append((current, parent, path, depth, True))
             for i in range(len(kids) - 1, -1, -1):
                 child_path = join_path(path, child_segment(current, i))  # type: ignore[arg-type]
                 stack.append((kids[i], current, child_path, depth + levels, False))
             continue
-        kids = _children(current)  # type: ignore[arg-type]
+        kids = children_of(current)  # type: ignore[arg-type]
         height = _levels(current) + max((done[id(k)][0] for k in kids), default=0)
         size = 1 + sum(done[id(k)][1] for k in kids)
         if isinstance(current, Repeat):
@@ -177,23 +178,6 @@ def _levels(node: object) -> int:
     if isinstance(node, Map):
         return 3
     return 1
-
-
-def _children(node: Node) -> tuple[Node, ...]:
-    """Like :func:`span_workflows.ir.children_of`, for a node whose fields were checked."""
-    if isinstance(node, (Plus, Cross, Seq)):
-        return node.children
-    if isinstance(node, Generate):
-        return (node.input,)
-    if isinstance(node, Chat):
-        return node.messages
-    if isinstance(node, Retrieve):
-        return node.fragments
-    if isinstance(node, Prepare):
-        return (node.child,)
-    if isinstance(node, Repeat):
-        return (node.g,)
-    return ()
 
 
 def _check_child_kind(parent: object, child: object, path: str) -> None:

@@ -10,7 +10,6 @@ between the ordered text before and after them
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -33,7 +32,7 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.utils import from_env, secret_from_env
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from span_workflows.fragments import default_engine, lift_messages
+from span_workflows.fragments import arun_query, lift_messages, run_query
 from span_workflows.ir import Generate, Node
 from span_workflows.model import DEFAULT_MODEL_NAME
 
@@ -120,22 +119,19 @@ class SpanChatModel(BaseChatModel):
 
     def execute(self, query: Node) -> Any:
         """Run any span query on this model's engine or server; returns its ``Result``."""
-        if self.server_url:
-            result = self._get_server().execute(query)
-        else:
-            result = (self.engine or default_engine()).execute(query)
-        self._last_result = result
-        return result
+        self._last_result = run_query(query, engine=self.engine, server=self._server_or_none())
+        return self._last_result
 
     async def aexecute(self, query: Node) -> Any:
         """Async :meth:`execute`: the engine call runs in a worker thread, the server call is
         native async; the event loop is never blocked."""
-        if self.server_url:
-            result = await self._get_server().aexecute(query)
-        else:
-            result = await asyncio.to_thread(self.execute, query)
-        self._last_result = result
-        return result
+        self._last_result = await arun_query(
+            query, engine=self.engine, server=self._server_or_none()
+        )
+        return self._last_result
+
+    def _server_or_none(self) -> Any:
+        return self._get_server() if self.server_url else None
 
     def _get_server(self) -> Any:
         if self._server is None:

@@ -9,7 +9,6 @@ after them, so the nodes hit the span cache in any order.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from span_workflows.fragments import commutative_outputs, default_engine, lift_messages
+from span_workflows.fragments import arun_query, commutative_outputs, lift_messages, run_query
 from span_workflows.ir import Generate, Node
 from span_workflows.model import DEFAULT_MODEL_NAME
 
@@ -87,21 +86,18 @@ class SpanLLM(CustomLLM):
 
     def execute(self, query: Node) -> Any:
         """Run any span query on this LLM's engine or server; returns its ``Result``."""
-        if self.server_url:
-            result = self._get_server().execute(query)
-        else:
-            result = (self.engine or default_engine()).execute(query)
-        self._last_result = result
-        return result
+        self._last_result = run_query(query, engine=self.engine, server=self._server_or_none())
+        return self._last_result
 
     async def aexecute(self, query: Node) -> Any:
         """Async :meth:`execute`; the event loop is never blocked."""
-        if self.server_url:
-            result = await self._get_server().aexecute(query)
-        else:
-            result = await asyncio.to_thread(self.execute, query)
-        self._last_result = result
-        return result
+        self._last_result = await arun_query(
+            query, engine=self.engine, server=self._server_or_none()
+        )
+        return self._last_result
+
+    def _server_or_none(self) -> Any:
+        return self._get_server() if self.server_url else None
 
     def _get_server(self) -> Any:
         if self._server is None:
