@@ -6,12 +6,10 @@ and re-created."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -34,20 +32,6 @@ SYSTEM = "Answer in a few words using the documents."
 STATS: dict[str, int] = {}
 
 
-@contextmanager
-def dev_mode_env():
-    """vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start)."""
-    old = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = old
-
-
 def query(docs: list[int], question: str = "Which topics appear?", system: str = SYSTEM,
           max_tokens: int = 5) -> dict:
     node = Generate(Cross((System(system), Plus(tuple(Fragment(DOCS[d]) for d in docs)),
@@ -58,7 +42,9 @@ def query(docs: list[int], question: str = "Which topics appear?", system: str =
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("pressure") / "server.log"
-    with dev_mode_env():
+    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")
         proc, url = start_server_process(
             kv_cache_gib=1, timeout=400, log_path=log, max_model_len=1024,
             extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "8"])

@@ -10,7 +10,6 @@ import asyncio
 import os
 import random
 import time
-from contextlib import contextmanager
 
 import httpx
 import psutil
@@ -63,20 +62,6 @@ def workload() -> list[int]:
     return order
 
 
-@contextmanager
-def dev_mode():
-    """vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start)."""
-    old = os.environ.get("VLLM_SERVER_DEV_MODE")
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("VLLM_SERVER_DEV_MODE", None)
-        else:
-            os.environ["VLLM_SERVER_DEV_MODE"] = old
-
-
 def reset_server_cache(client: httpx.Client) -> None:
     deadline = time.monotonic() + 30
     while True:
@@ -95,7 +80,9 @@ def body(query: Generate) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("load") / "server.log"
-    with dev_mode():
+    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")
         proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=400,
                                          log_path=log, max_model_len=2048)
     try:
