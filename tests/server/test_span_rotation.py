@@ -82,3 +82,39 @@ def test_gpu_rotation_on_device_matches_cpu() -> None:
     rotator.apply([cache], GpuKeyLayout(), [(3, 100), (9, -50)])
     rotator.apply([gpu], GpuKeyLayout(), [(3, 100), (9, -50)])
     assert torch.allclose(gpu.cpu(), cache, atol=1e-5)
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("buffer_bytes", [1, 1 << 20])
+def test_apply_on_the_cpu_layout_equals_rotating_each_block(
+    neox: bool, buffer_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-place rotation along the transposed CPU key layout, one layer per group or all
+    layers in one group, matches the reference rotation and leaves values and other blocks."""
+    import span_vllm.rotation as rotation
+
+    monkeypatch.setattr(rotation, "BUFFER_BYTES", buffer_bytes)
+    torch.manual_seed(2)
+    rotator, layout = RopeRotator.from_base(100000.0, D, neox), CpuKeyLayout(D)
+    caches = [torch.randn(6, HEADS, BS, 2 * D) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    moves = [(4, 300), (1, -17), (2, 5)]
+    ids = torch.tensor([b for b, _ in moves])
+    rotator.apply(caches, layout, moves)
+    for cache, old in zip(caches, before, strict=True):
+        expected = rotator.rotate(layout.gather(old, ids), torch.tensor([300.0, -17.0, 5.0]))
+        assert torch.allclose(layout.gather(cache, ids), expected, atol=1e-5)
+        values = cache.view(6, HEADS, 2, D * BS)[:, :, 1]
+        assert torch.equal(values, old.view(6, HEADS, 2, D * BS)[:, :, 1])
+        assert torch.equal(cache[[0, 3, 5]], old[[0, 3, 5]])
+
+
+def test_apply_keeps_a_half_precision_cache_in_its_dtype() -> None:
+    torch.manual_seed(3)
+    rotator, layout = RopeRotator.from_base(10000.0, D), GpuKeyLayout()
+    cache = torch.randn(2, 4, BS, HEADS, D).to(torch.bfloat16)
+    reference = rotator.rotate(layout.gather(cache, torch.tensor([2])), torch.tensor([40.0]))
+    rotator.apply([cache], layout, [(2, 40)])
+    assert cache.dtype == torch.bfloat16
+    assert torch.allclose(layout.gather(cache, torch.tensor([2])).float(), reference.float(),
+                          atol=2e-2)
