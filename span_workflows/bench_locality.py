@@ -4,8 +4,13 @@ The paper's attention-locality experiment: 8 inner generations each produce a te
 of them holds a random name (the needle) at its start, middle or end, surrounded by hay; a judge
 reads all 8 and must name the needle. The *flat* judge reads the 8 texts at once,
 ``G(x(S, +(G1..G8), U))``; the *tournament* (:func:`span_workflows.locality.tournament`, fan-in 2)
-has 2-way judges in 3 rounds, each copying out the name it found, so no judge attends over more
-than two texts.
+has 2-way judges in 3 rounds, each quoting what it found, so no judge attends over more than
+two texts. Every judge is asked to *quote the sentence that gives the secret name* (quoting the
+evidence is what a 135M model does most reliably, and it gives the next round a sentence to
+pick rather than a bare word). The *round-1 judge* columns score, inside each tournament, the
+first-round judge whose pair holds the needle (:func:`needle_judge`): how well a judge over two
+isolated texts finds the needle, before the later rounds have to pick its answer among the
+other pairs' answers.
 
 **How the inner texts are made (the honest variant).** SmolLM2-135M cannot reliably *write*
 hay of a given length around a given name, so each inner generation is a *copy task*:
@@ -23,11 +28,13 @@ output on the judge, not the loss of the needle. With ``--copy-tokens 0`` a need
 sentence at the same place in the others. The hay is bland English sentences without proper
 names, drawn per text and trial; names and placements come from a seeded RNG.
 
-**Scoring.** The answer is normalised (lower case, punctuation and articles dropped); *exact*
-means it equals the name, *F1* is SQuAD's token F1 against the name, *contains* means the name
-is one of the answer's words (e.g. "The secret name is Octavia"). ``flat_accuracy`` and
-``tournament_accuracy`` are exact-match fractions; ``*_f1`` columns are mean token F1; ``±`` are
-95 % Wilson intervals (half-widths) of the exact-match fraction over ``trials``. Crop on and off
+**Scoring.** The answer is normalised (lower case, punctuation and articles dropped) and a
+leading restatement of the question ("The secret name is", "The secret name in the texts is")
+is dropped (:func:`answer_name`); *exact* means what is left equals the name, *F1* is SQuAD's
+token F1 against the name, *contains* means the name is one of the answer's words.
+``flat_accuracy``, ``tournament_accuracy`` and ``round1_accuracy`` are exact-match fractions;
+``*_f1`` columns are mean token F1; ``±`` are 95 % Wilson intervals (half-widths) of the
+exact-match fraction over ``trials``. Crop on and off
 use the same engine (``engine.compiler.crop`` toggled) and the same inner outputs (temperature
 0), so the columns are paired.
 """
@@ -68,8 +75,10 @@ HAY = (
 )
 NEUTRAL = "Nothing else happened that day."
 SYSTEM = "You read texts and find the secret name hidden in one of them."
-JUDGE = "What is the secret name in the texts above? Answer with the name only."
+JUDGE = "Quote the one sentence above that says what the secret name is."
 POSITIONS = ("start", "middle", "end")
+#: The prompt of each inner (copy-task) generation.
+COPY = "Repeat this text exactly:\n\n{text}"
 
 
 def passage(rng: random.Random, hay_chars: int, sentence: str, position: str) -> str:
@@ -84,6 +93,27 @@ def passage(rng: random.Random, hay_chars: int, sentence: str, position: str) ->
     return " ".join(hay[:at] + [sentence] + hay[at:])
 
 
+def needle_sentence(name: str) -> str:
+    """The sentence that hides the needle."""
+    return f"The secret name is {name}."
+
+
+def needle_judge(result: Any, name: str, decode: Any) -> Any:
+    """The first-round judge in a tournament's result tree whose group holds the needle: the
+    result whose nested results are all leaves and one of whose leaves' prompts (decoded with
+    ``decode``) holds :func:`needle_sentence`. Raises ``LookupError`` if there is none."""
+    stack = [result]
+    while stack:
+        current = stack.pop()
+        leaves = list(current.nested.values())
+        if leaves and all(not leaf.nested for leaf in leaves):
+            if any(needle_sentence(name) in decode(leaf.query.token_ids) for leaf in leaves):
+                return current
+        else:
+            stack.extend(leaves)
+    raise LookupError(f"no first-round judge holds the needle {name!r}")
+
+
 def make_trial(rng: random.Random, hay_chars: int, position: str, candidates: int = 8,
                max_tokens_of: Any = None, copy_tokens: int = 8) -> tuple[Generate, str]:
     """One flat judge query and its needle: ``candidates`` copy-task G's, one with the name.
@@ -94,12 +124,12 @@ def make_trial(rng: random.Random, hay_chars: int, position: str, candidates: in
     needle_at = rng.randrange(candidates)
     inner = []
     for i in range(candidates):
-        sentence = f"The secret name is {name}." if i == needle_at else NEUTRAL
+        sentence = needle_sentence(name) if i == needle_at else NEUTRAL
         text = passage(rng, hay_chars, sentence, position)
         budget = (max_tokens_of(text) if max_tokens_of else len(text) // 3) + 8
         if copy_tokens:
             budget = min(budget, copy_tokens)
-        inner.append(g(user(f"Repeat this text exactly:\n\n{text}"), max_tokens=budget,
+        inner.append(g(user(COPY.format(text=text)), max_tokens=budget,
                        temperature=0.0))
     query = g(cross(system(SYSTEM), plus(*inner), user(JUDGE)), max_tokens=12, temperature=0.0)
     return query, name
@@ -113,14 +143,24 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
+#: A restatement of the question the model often puts before the name ("The secret name in
+#: the texts is X"), dropped before scoring, as SQuAD drops articles.
+_RESTATEMENT = re.compile(r"^(?:secret )?name(?: in(?: texts| text)(?: above)?)? is ")
+
+
+def answer_name(answer: str) -> str:
+    """The normalised answer without a leading restatement of the question."""
+    return _RESTATEMENT.sub("", normalize(answer), count=1)
+
+
 def exact_match(answer: str, gold: str) -> bool:
-    """Normalised answer equals the normalised name."""
-    return normalize(answer) == normalize(gold)
+    """The answer (normalised, restatement dropped) equals the normalised name."""
+    return answer_name(answer) == normalize(gold)
 
 
 def token_f1(answer: str, gold: str) -> float:
-    """SQuAD token F1 of the normalised answer against the normalised name."""
-    pred, ref = normalize(answer).split(), normalize(gold).split()
+    """SQuAD token F1 of the answer (normalised, restatement dropped) against the name."""
+    pred, ref = answer_name(answer).split(), normalize(gold).split()
     common = sum((Counter(pred) & Counter(ref)).values())
     if not pred or not ref or not common:
         return float(pred == ref)
@@ -183,10 +223,14 @@ def bench_locality(engine: Any, hay_chars: Sequence[int] = (0, 200, 400, 800),
                 suffix = "_nocrop" if not crop and len(crop_modes) > 1 else ""
                 _score(row, "flat", flat, golds, suffix)
                 _score(row, "tournament", tour, golds, suffix)
+                round1 = [needle_judge(r, gold, engine.tokenizer.decode)
+                          for r, gold in zip(tour, golds, strict=True)]
+                _score(row, "round1", round1, golds, suffix)
                 if log is not None:
                     log({"hay_chars": hay, "position": position, "crop": crop,
                          "gold": golds, "flat": [r.text for r in flat],
-                         "tournament": [r.text for r in tour]})
+                         "tournament": [r.text for r in tour],
+                         "round1": [r.text for r in round1]})
             rows.append(_ordered_row(row))
             if on_row is not None:
                 on_row(rows[-1])
@@ -219,35 +263,36 @@ def _ordered_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table: exact match ± Wilson half-width, F1 and "contains", flat
-    vs tournament, crop on (and off, when it was run)."""
-    modes = [("", "")] + ([("_nocrop", " no crop")] if any(
-        "flat_accuracy_nocrop" in r for r in rows) else [])
-    head = ["hay chars", "needle", "trials"]
-    for _, label in modes:
-        head += [f"flat EM{label}", f"tournament EM{label}", f"Δ EM{label}",
-                 f"flat F1{label}", f"tournament F1{label}", f"flat contains{label}",
-                 f"tournament contains{label}"]
+    """The rows as a Markdown table: exact match ± Wilson half-width of the flat judge, the
+    tournament and its first-round judge over the needle's pair, token F1, with crop on (and
+    the exact matches with crop off, when it was run)."""
+    nocrop = any("flat_accuracy_nocrop" in r for r in rows)
+    head = ["hay chars", "needle", "trials", "flat EM", "tournament EM", "Δ EM",
+            "round-1 judge EM", "flat F1", "tournament F1", "round-1 F1"]
+    if nocrop:
+        head += ["flat EM no crop", "tournament EM no crop", "round-1 EM no crop"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def em(r: dict[str, Any], kind: str, sfx: str = "") -> str:
+        return f"{r[f'{kind}_accuracy{sfx}']:.2f} ± {r[f'{kind}_pm{sfx}']:.2f}"
+
     for r in rows:
-        cells = [str(r["hay_chars"]), r["position"], str(r["trials"])]
-        for sfx, _ in modes:
-            cells += [
-                f"{r['flat_accuracy' + sfx]:.2f} ± {r['flat_pm' + sfx]:.2f}",
-                f"{r['tournament_accuracy' + sfx]:.2f} ± {r['tournament_pm' + sfx]:.2f}",
-                f"{100 * (r['tournament_accuracy' + sfx] - r['flat_accuracy' + sfx]):+.0f}",
-                f"{r['flat_f1' + sfx]:.2f}", f"{r['tournament_f1' + sfx]:.2f}",
-                f"{r.get('flat_contains' + sfx, float('nan')):.2f}",
-                f"{r.get('tournament_contains' + sfx, float('nan')):.2f}",
-            ]
+        cells = [str(r["hay_chars"]), r["position"], str(r["trials"]), em(r, "flat"),
+                 em(r, "tournament"),
+                 f"{100 * (r['tournament_accuracy'] - r['flat_accuracy']):+.0f}",
+                 em(r, "round1"), f"{r['flat_f1']:.2f}", f"{r['tournament_f1']:.2f}",
+                 f"{r['round1_f1']:.2f}"]
+        if nocrop:
+            cells += [em(r, "flat", "_nocrop"), em(r, "tournament", "_nocrop"),
+                      em(r, "round1", "_nocrop")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> None:
     """Exact match (top, Wilson 95 % error bars) and token F1 (bottom) vs hay length, one column
-    per needle position: flat (red) vs tournament (blue), crop on (solid) and off (dashed).
-    Saved as PNG."""
+    per needle position: flat (red), tournament (blue) and the tournament's first-round judge
+    over the needle's pair (green), crop on (solid) and off (dashed). Saved as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,7 +305,7 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
     fig, axes = plt.subplots(len(metrics), len(positions),
                              figsize=(4.2 * len(positions), 3.2 * len(metrics)),
                              sharey=True, sharex=True, squeeze=False)
-    styles = [("flat", "#c0392b"), ("tournament", "#2471a3")]
+    styles = [("flat", "#c0392b"), ("tournament", "#2471a3"), ("round1", "#229954")]
     for col, position in enumerate(positions):
         sub = sorted((r for r in rows if r["position"] == position),
                      key=lambda r: r["hay_chars"])
@@ -274,7 +319,8 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
                     ys = [r[f"{kind}_{metric}{suffix}"] for r in sub]
                     err = ([r[f"{kind}_pm{suffix}"] for r in sub] if metric == "accuracy"
                            else None)
-                    name = kind + (" (no crop)" if suffix else "")
+                    name = ("round-1 judge" if kind == "round1" else kind) + (
+                        " (no crop)" if suffix else "")
                     ax.errorbar(xs, ys, yerr=err, color=colour, linestyle=ls, marker="o",
                                 capsize=3, label=name, alpha=0.6 if suffix else 0.95)
             if row_i == 0:
@@ -339,6 +385,7 @@ def run_locality(args: Any) -> int:
 
 
 __all__ = [
-    "NAMES", "POSITIONS", "bench_locality", "exact_match", "make_trial", "markdown_table",
-    "normalize", "passage", "plot_locality", "run_locality", "token_f1", "wilson",
+    "NAMES", "POSITIONS", "answer_name", "bench_locality", "exact_match", "make_trial",
+    "markdown_table", "needle_judge", "needle_sentence", "normalize", "passage", "plot_locality",
+    "run_locality", "token_f1", "wilson",
 ]

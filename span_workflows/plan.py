@@ -144,6 +144,7 @@ class Planner:
         started = time.perf_counter()
         nested_nodes = nested_generations(g)
         nested: dict[str, NestedOutput] = {}
+        nested_results: dict[str, Result] = {}
         if nested_nodes:
             results = yield from gather([
                 self.plan_generate(child, span_mode, inline=span_mode and child.inline_prompt)
@@ -154,6 +155,7 @@ class Planner:
                 nested[path] = NestedOutput(
                     tuple(result.query.token_ids), tuple(result.token_ids), result.text
                 )
+                nested_results[path] = result
         if inline:
             prompt = self.compiler.inner_prompt(g)
             tq = TokenizedQuery(prompt, [], self.block_size, g.max_tokens, g.temperature, g.n)
@@ -191,7 +193,7 @@ class Planner:
             final_ttft_s=out.first_token - out.submitted,
         )
         return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
-                      first_logprobs=out.first_logprobs)
+                      first_logprobs=out.first_logprobs, nested=nested_results)
 
 
 MAX_ATTEMPTS = 3

@@ -43,6 +43,9 @@ class Result:
     parts: list[Result] = field(default_factory=list)
     #: top log-probabilities of the first generated token (when asked with ``logprobs=k``)
     first_logprobs: dict[int, float] = field(default_factory=dict)
+    #: results of the G's nested directly in this G's input (the drafts a judge read), keyed
+    #: by their path in the optimized query (``input.cross[1].plus[0]``)
+    nested: dict[str, Result] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """``{"text", "metrics"}`` as the CLI prints it."""

@@ -52,3 +52,23 @@ def test_unknown_benchmark_is_a_clear_error() -> None:
 
     with pytest.raises(SpanQueryError, match="unknown benchmark"):
         bench.run_bench("nope", [])
+
+
+LOCALITY_KEYS = {"hay_chars", "position", "trials", "flat_accuracy", "tournament_accuracy",
+                 "round1_accuracy"}
+
+
+@pytest.mark.engine
+def test_locality_bench_scores_flat_tournament_and_the_needle_pair(engine) -> None:
+    from span_workflows.bench_locality import bench_locality, markdown_table
+
+    rows = bench_locality(engine, hay_chars=[0], trials=2, positions=["end"],
+                          crop_modes=(True,), batch=2, progress=False)
+    assert len(rows) == 1 and LOCALITY_KEYS <= set(rows[0])
+    row = rows[0]
+    assert (row["hay_chars"], row["position"], row["trials"]) == (0, "end", 2)
+    for kind in ("flat", "tournament", "round1"):
+        assert 0.0 <= row[f"{kind}_accuracy"] <= 1.0 and 0.0 <= row[f"{kind}_f1"] <= 1.0
+    # the first-round judge reads two candidates, the flat judge all eight
+    assert row["round1_prompt_tokens"] < row["flat_prompt_tokens"]
+    assert "round-1 judge EM" in markdown_table(rows)

@@ -160,6 +160,14 @@ def test_judge_generator_reuses_the_drafts_in_the_judge(engine) -> None:
     generated = [s for s in result.query.spans if s.kind == "generated"]
     assert len(generated) == 2
     assert result.metrics.cached_tokens >= sum(s.length for s in generated)
+    # the drafts the judge read are returned with it, keyed by their path in the query
+    assert sorted(result.nested) == ["input.cross[0].plus[0]", "input.cross[0].plus[1]"]
+    by_label = {s.label: s for s in generated}
+    for path, draft in result.nested.items():
+        span = by_label[f"G@{path}"]
+        assert draft.metrics.generated_tokens > 0 and not draft.nested
+        segment = result.query.token_ids[span.offset:span.offset + span.length]
+        assert list(draft.query.token_ids) == segment[:len(draft.query.token_ids)]
 
 
 def test_agent_step_runs_with_commuting_observations(engine) -> None:

@@ -176,8 +176,12 @@ def test_bench_scoring_and_intervals():
     from span_workflows.bench_locality import exact_match, token_f1, wilson
 
     assert exact_match(" Marigold.", "Marigold")
-    assert not exact_match("The secret name is Marigold.", "Marigold")
-    assert token_f1("The secret name is Marigold.", "Marigold") == pytest.approx(2 / 5)
+    # a restatement of the question before the name is dropped, anything else counts
+    assert exact_match("The secret name is Marigold.", "Marigold")
+    assert exact_match('The secret name in the texts is "Marigold"', "Marigold")
+    assert not exact_match("The secret name is the library.", "Marigold")
+    assert not exact_match("Marigold is the secret name.", "Marigold")
+    assert token_f1("Marigold is the secret name.", "Marigold") == pytest.approx(2 / 5)
     assert token_f1("Percival", "Marigold") == 0.0
     low, high = wilson(8, 8)
     assert high == 1.0 and 0.6 < low < 0.7
