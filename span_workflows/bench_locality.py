@@ -289,6 +289,21 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown_report(rows: list[dict[str, Any]], copy_tokens: int) -> str:
+    """A heading saying how the rows were measured, then :func:`markdown_table`."""
+    trials = sorted({r["trials"] for r in rows})
+    copied = f"{copy_tokens} copied tokens each" if copy_tokens else "whole texts copied"
+    return (
+        "# Locality benchmark: needle in a haystack, flat judge vs tournament (fan-in 2)\n\n"
+        f"{', '.join(map(str, trials))} trials per cell, 8 copy-task inner generations "
+        f"({copied}), judge max_tokens=12, temperature 0. EM = exact match (± = 95 % Wilson "
+        "half-width), F1 = token F1. *Round-1 judge*: inside each tournament, the first-round "
+        "2-way judge whose pair holds the needle. Written by `span-workflows bench locality "
+        "--markdown`; the method is in `span_workflows/bench_locality.py`.\n\n"
+        + markdown_table(rows)
+    )
+
+
 def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> None:
     """Exact match (top, Wilson 95 % error bars) and token F1 (bottom) vs hay length, one column
     per needle position: flat (red), tournament (blue) and the tournament's first-round judge
@@ -378,7 +393,7 @@ def run_locality(args: Any) -> int:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown_table(rows))
+        args.markdown.write_text(markdown_report(rows, args.copy_tokens))
     if args.plot:
         plot_locality(rows, args.plot, "needle in a haystack: flat judge vs tournament")
     return 0
@@ -386,6 +401,6 @@ def run_locality(args: Any) -> int:
 
 __all__ = [
     "NAMES", "POSITIONS", "answer_name", "bench_locality", "exact_match", "make_trial",
-    "markdown_table", "needle_judge", "needle_sentence", "normalize", "passage", "plot_locality",
-    "run_locality", "token_f1", "wilson",
+    "markdown_report", "markdown_table", "needle_judge", "needle_sentence", "normalize",
+    "passage", "plot_locality", "run_locality", "token_f1", "wilson",
 ]
