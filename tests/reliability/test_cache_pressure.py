@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from dev_server import dev_mode_server, reset_server_cache
 
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
 from span_workflows.json_ir import to_obj
-from span_workflows.serve import start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -42,29 +41,16 @@ def query(docs: list[int], question: str = "Which topics appear?", system: str =
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("pressure") / "server.log"
-    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_SERVER_DEV_MODE", "1")
-        proc, url = start_server_process(
-            kv_cache_gib=1, timeout=400, log_path=log, max_model_len=1024,
-            extra_args=["--num-gpu-blocks-override", str(BLOCKS), "--max-num-seqs", "8"])
-    try:
+    with dev_mode_server(log, kv_cache_gib=1, timeout=400, max_model_len=1024,
+                         extra_args=["--num-gpu-blocks-override", str(BLOCKS),
+                                     "--max-num-seqs", "8"]) as (_, url):
         yield url
-    finally:
-        stop_server_process(proc)
 
 
 @pytest.fixture(scope="module")
 def http(server: str):
     with httpx.Client(base_url=server, timeout=120) as client:
         yield client
-
-
-def reset(http: httpx.Client) -> None:
-    deadline = time.monotonic() + 30
-    while not http.post("/reset_prefix_cache").json().get("success"):
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
 
 
 def run(http: httpx.Client, payload: dict) -> dict:
@@ -89,7 +75,7 @@ class Alone:
     def __call__(self, payload: dict) -> str:
         key = repr(payload)
         if key not in self.texts:
-            reset(self.http)
+            reset_server_cache(self.http)
             self.texts[key] = run(self.http, payload)["text"]
         return self.texts[key]
 
@@ -114,7 +100,7 @@ def _workload(seed: int, count: int) -> list[list[int]]:
 def test_sequential_requests_under_eviction_equal_alone(http, alone) -> None:
     distinct = _workload(1, 10)
     expected = [alone(query(d)) for d in distinct]
-    reset(http)
+    reset_server_cache(http)
     evicted = 0
     for round_ in range(3):
         for i in random.Random(round_).sample(range(len(distinct)), len(distinct)):
@@ -132,7 +118,7 @@ def test_repositioned_block_evicted_and_recreated(http, alone) -> None:
     orders = [[a, b, c, d], [d, c, b, a], [b, d, a, c]]
     expected = [alone(query(o)) for o in orders]
     flood = [[4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
-    reset(http)
+    reset_server_cache(http)
     before = span_counters(http)
     assert run(http, query(orders[0]))["text"] == expected[0]
     moved = run(http, query(orders[1]))
@@ -163,7 +149,7 @@ def test_duplicated_blocks_under_pressure_equal_alone(http, alone) -> None:
         [[16, 17, 18, 19], [19, 18, 17, 16], [0, 4, 8, 12]],
     ]
     expected = {repr(o): alone(query(o)) for r in rounds for o in r}
-    reset(http)
+    reset_server_cache(http)
     before = span_counters(http)
     mismatched = []
     for r in rounds:

@@ -14,10 +14,10 @@ import time
 import httpx
 import psutil
 import pytest
+from dev_server import dev_mode_server, reset_server_cache
 
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
 from span_workflows.json_ir import to_obj
-from span_workflows.serve import start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -62,17 +62,6 @@ def workload() -> list[int]:
     return order
 
 
-def reset_server_cache(client: httpx.Client) -> None:
-    deadline = time.monotonic() + 30
-    while True:
-        answer = client.post("/reset_prefix_cache")
-        assert answer.status_code == 200, answer.text
-        if answer.json().get("success"):
-            return
-        assert time.monotonic() < deadline, "the server's prefix cache never became resettable"
-        time.sleep(0.2)
-
-
 def body(query: Generate) -> dict:
     return {"query": to_obj(query), "optimize": False}
 
@@ -80,16 +69,9 @@ def body(query: Generate) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("load") / "server.log"
-    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_SERVER_DEV_MODE", "1")
-        proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=400,
-                                         log_path=log, max_model_len=2048)
-    try:
+    with dev_mode_server(log, api_key=API_KEY, kv_cache_gib=1, timeout=400,
+                         max_model_len=2048) as (proc, url):
         yield proc, url
-    finally:
-        stop_server_process(proc)
-        assert proc.poll() is not None
 
 
 @pytest.fixture(scope="module")
