@@ -302,8 +302,36 @@ async def arun_query(query: Node, *, engine: Any = None, server: Any = None) -> 
     return await asyncio.to_thread(run_query, query, engine=engine)
 
 
+class QueryRunner:
+    """What a framework model (LangChain chat model, LlamaIndex LLM) needs to run span queries:
+    mixed into a model that has ``engine``, ``server_url``, a ``_get_server()`` building its
+    ``SpanServer`` and a private ``_last_result``."""
+
+    @property
+    def last_result(self) -> Any:
+        """The ``Result`` of the latest call of this model (``None`` before the first)."""
+        return self._last_result  # type: ignore[attr-defined]
+
+    def execute(self, query: Node) -> Any:
+        """Run any span query on this model's engine or server; returns its ``Result``."""
+        self._last_result = run_query(query, engine=self.engine,  # type: ignore[attr-defined]
+                                      server=self._server_or_none())
+        return self._last_result
+
+    async def aexecute(self, query: Node) -> Any:
+        """Async :meth:`execute`: the engine call runs in a worker thread, the server call is
+        native async; the event loop is never blocked."""
+        self._last_result = await arun_query(
+            query, engine=self.engine, server=self._server_or_none()  # type: ignore[attr-defined]
+        )
+        return self._last_result
+
+    def _server_or_none(self) -> Any:
+        return self._get_server() if self.server_url else None  # type: ignore[attr-defined]
+
+
 __all__ = [
-    "MAX_FRAGMENTS", "MAX_GLUE_CHARS", "MIN_FRAGMENT_CHARS", "Piece", "Run", "clear",
+    "MAX_FRAGMENTS", "QueryRunner", "MAX_GLUE_CHARS", "MIN_FRAGMENT_CHARS", "Piece", "Run", "clear",
     "commutative_outputs", "default_engine", "find_fragments", "is_registered", "lift",
     "lift_messages", "register", "register_all", "run_query", "arun_query",
     "set_default_engine", "span_id",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -29,7 +30,7 @@ class KeyLayout:
 
     #: Axis of the head dimension in :meth:`keys` (negative, so it also holds with a leading
     #: layer axis).
-    head_dim_axis: int = -1
+    head_dim_axis: ClassVar[int] = -1
 
     def keys(self, cache: torch.Tensor) -> torch.Tensor:
         """A view of the keys with blocks on axis 0 (no copy)."""
@@ -60,7 +61,7 @@ class CpuKeyLayout(KeyLayout):
     (``[head_dim, block_size]``) and the rest is V."""
 
     head_dim: int
-    head_dim_axis: int = -2
+    head_dim_axis: ClassVar[int] = -2
 
     def keys(self, cache: torch.Tensor) -> torch.Tensor:
         nb, heads, bs, _ = cache.shape
@@ -79,8 +80,6 @@ class CpuKeyLayout(KeyLayout):
 class GpuKeyLayout(KeyLayout):
     """FlashAttention-style GPU layout: ``[2, num_blocks, block_size, heads, head_dim]``
     (K is index 0)."""
-
-    head_dim_axis: int = -1
 
     def keys(self, cache: torch.Tensor) -> torch.Tensor:
         return cache[0]

@@ -32,12 +32,12 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.utils import from_env, secret_from_env
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from span_workflows.fragments import arun_query, lift_messages, run_query
-from span_workflows.ir import Generate, Node
+from span_workflows.fragments import QueryRunner, lift_messages
+from span_workflows.ir import Generate
 from span_workflows.model import DEFAULT_MODEL_NAME
 
 
-class SpanChatModel(BaseChatModel):
+class SpanChatModel(BaseChatModel, QueryRunner):
     """A chat model served by span queries: retrieved documents commute and hit the span cache.
 
     Runs on the embedded engine (``engine=``, or the process-wide default one, created on first
@@ -103,11 +103,6 @@ class SpanChatModel(BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
-    @property
-    def last_result(self) -> Any:
-        """The ``Result`` of the latest call of this model (``None`` before the first)."""
-        return self._last_result
-
     # -- queries --------------------------------------------------------------------------------
     def to_query(self, messages: Sequence[BaseMessage], **kwargs: Any) -> Generate:
         """The span query these chat messages become (fragments lifted into plus spans)."""
@@ -116,22 +111,6 @@ class SpanChatModel(BaseChatModel):
             max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
             temperature=float(kwargs.get("temperature", self.temperature)),
         )
-
-    def execute(self, query: Node) -> Any:
-        """Run any span query on this model's engine or server; returns its ``Result``."""
-        self._last_result = run_query(query, engine=self.engine, server=self._server_or_none())
-        return self._last_result
-
-    async def aexecute(self, query: Node) -> Any:
-        """Async :meth:`execute`: the engine call runs in a worker thread, the server call is
-        native async; the event loop is never blocked."""
-        self._last_result = await arun_query(
-            query, engine=self.engine, server=self._server_or_none()
-        )
-        return self._last_result
-
-    def _server_or_none(self) -> Any:
-        return self._get_server() if self.server_url else None
 
     def _get_server(self) -> Any:
         if self._server is None:

@@ -26,8 +26,8 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from span_workflows.fragments import arun_query, commutative_outputs, lift_messages, run_query
-from span_workflows.ir import Generate, Node
+from span_workflows.fragments import QueryRunner, commutative_outputs, lift_messages
+from span_workflows.ir import Generate
 from span_workflows.model import DEFAULT_MODEL_NAME
 
 _ROLES = {
@@ -37,7 +37,7 @@ _ROLES = {
 }
 
 
-class SpanLLM(CustomLLM):
+class SpanLLM(CustomLLM, QueryRunner):
     """A LlamaIndex LLM served by span queries: retrieved nodes commute and hit the span cache.
 
     Runs on the embedded engine (``engine=``, or the process-wide default one, created on first
@@ -67,11 +67,6 @@ class SpanLLM(CustomLLM):
             is_chat_model=True, model_name=self.model_name,
         )
 
-    @property
-    def last_result(self) -> Any:
-        """The ``Result`` of the latest call (``None`` before the first)."""
-        return self._last_result
-
     # -- queries --------------------------------------------------------------------------------
     def to_query(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generate:
         """The span query these messages become (fragments lifted into plus spans)."""
@@ -83,21 +78,6 @@ class SpanLLM(CustomLLM):
             max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
             temperature=float(kwargs.get("temperature", self.temperature)),
         )
-
-    def execute(self, query: Node) -> Any:
-        """Run any span query on this LLM's engine or server; returns its ``Result``."""
-        self._last_result = run_query(query, engine=self.engine, server=self._server_or_none())
-        return self._last_result
-
-    async def aexecute(self, query: Node) -> Any:
-        """Async :meth:`execute`; the event loop is never blocked."""
-        self._last_result = await arun_query(
-            query, engine=self.engine, server=self._server_or_none()
-        )
-        return self._last_result
-
-    def _server_or_none(self) -> Any:
-        return self._get_server() if self.server_url else None
 
     def _get_server(self) -> Any:
         if self._server is None:
