@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import TypeVar
+
+T = TypeVar("T")
 
 #: spnl's defaults: ``max_tokens == 0`` means "up to the model's limit".
 DEFAULT_MAX_TOKENS = 0
@@ -218,6 +222,25 @@ def children_of(node: Node) -> tuple[Node, ...]:
     return ()
 
 
+def fold_bottom_up(node: Node, combine: Callable[[Node, list[T]], T]) -> T:
+    """``combine(n, [value of each child of n])`` for every node, children first; the value of
+    ``node``. Iterative (trees as deep as the validator allows are fine); a node object that
+    occurs several times is combined once."""
+    done: dict[int, T] = {}
+    stack: list[tuple[Node, bool]] = [(node, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if id(current) in done:
+            continue
+        kids = children_of(current)
+        if not expanded and kids:
+            stack.append((current, True))
+            stack.extend((k, False) for k in reversed(kids) if id(k) not in done)
+            continue
+        done[id(current)] = combine(current, [done[id(k)] for k in kids])
+    return done[id(node)]
+
+
 def content_hash(node: Node) -> str:
     """A stable hex digest of a node's full content (type and every field)."""
     return hashlib.sha256(_canonical(node).encode("utf-8")).hexdigest()
@@ -278,5 +301,6 @@ def _short(text: str, width: int = 24) -> str:
 __all__ = [
     "Assistant", "Chat", "Cross", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "Fragment",
     "Generate", "JOIN_TYPES", "MESSAGE_TYPES", "Map", "Message", "Node", "Plus", "Prepare",
-    "Repeat", "Retrieve", "Seq", "System", "User", "children_of", "content_hash", "iter_nodes",
+    "Repeat", "Retrieve", "Seq", "System", "User", "children_of", "content_hash",
+    "fold_bottom_up", "iter_nodes",
 ]

@@ -53,7 +53,7 @@ from span_workflows.ir import (
     Seq,
     System,
     User,
-    children_of,
+    fold_bottom_up,
 )
 from span_workflows.validate import MAX_DEPTH, join_path, validate
 
@@ -95,19 +95,7 @@ def to_obj(node: Node) -> object:
     then ``n`` (if not 1) and ``inline_prompt`` (if true).
     """
     validate(node)
-    done: dict[int, object] = {}
-    stack: list[tuple[Node, bool]] = [(node, False)]
-    while stack:
-        current, expanded = stack.pop()
-        if id(current) in done:
-            continue
-        kids = children_of(current)
-        if not expanded and kids:
-            stack.append((current, True))
-            stack.extend((k, False) for k in reversed(kids) if id(k) not in done)
-            continue
-        done[id(current)] = _to_obj_one(current, [done[id(k)] for k in kids])
-    return done[id(node)]
+    return fold_bottom_up(node, _to_obj_one)
 
 
 def to_json(node: Node, *, indent: int | None = None) -> str:

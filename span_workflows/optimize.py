@@ -47,6 +47,7 @@ from span_workflows.ir import (
     User,
     children_of,
     content_hash,
+    fold_bottom_up,
 )
 from span_workflows.validate import validate
 
@@ -60,24 +61,14 @@ def rewrite_bottom_up(node: Node, rule: Callable[[Node], Node]) -> Node:
     replacement (the node itself when nothing changes). Iterative; each distinct object is
     rewritten once. Returns ``node`` itself when no rule changed anything.
     """
-    done: dict[int, Node] = {}
-    stack: list[tuple[Node, bool]] = [(node, False)]
-    while stack:
-        current, expanded = stack.pop()
-        if id(current) in done:
-            continue
+
+    def combine(current: Node, new_kids: list[Node]) -> Node:
         kids = children_of(current)
-        if not expanded and kids:
-            stack.append((current, True))
-            stack.extend((k, False) for k in reversed(kids) if id(k) not in done)
-            continue
-        new_kids = tuple(done[id(k)] for k in kids)
         if any(a is not b for a, b in zip(new_kids, kids, strict=True)):
-            current_rebuilt = _with_children(current, new_kids)
-        else:
-            current_rebuilt = current
-        done[id(current)] = rule(current_rebuilt)
-    return done[id(node)]
+            current = _with_children(current, tuple(new_kids))
+        return rule(current)
+
+    return fold_bottom_up(node, combine)
 
 
 def _with_children(node: Node, kids: tuple[Node, ...]) -> Node:
