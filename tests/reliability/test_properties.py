@@ -9,7 +9,7 @@ import json
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from span_workflows.compile import Compiler
@@ -131,20 +131,23 @@ def _leaves(node: Node) -> Counter:
 
 
 def _top_level_pluses(node: Node) -> list[Plus]:
-    """The pluses not directly inside another plus (flattening merges those)."""
+    """The pluses not directly inside another plus (flattening merges those). A cross of one
+    child counts as that child (the optimizer drops it), so ``+(x(+(a)))`` has one."""
     out: list[Plus] = []
     stack: list[tuple[Node, bool]] = [(node, False)]
     while stack:
         current, under_plus = stack.pop()
         if isinstance(current, Plus) and not under_plus:
             out.append(current)
-        inner = isinstance(current, (Plus, Prepare))
+        single_cross = isinstance(current, Cross) and len(current.children) == 1
+        inner = isinstance(current, (Plus, Prepare)) or (under_plus and single_cross)
         stack.extend((k, inner and not isinstance(k, Generate)) for k in children_of(current))
     return out
 
 
 @settings(max_examples=100, deadline=None)
 @given(_trees)
+@example(Plus((Cross((Plus((System("0"),)),)),)))  # a plus inside a one-child cross in a plus
 def test_optimize_twice_is_once_and_every_plus_keeps_its_leaves(tree: Node) -> None:
     CASES["optimizer"] += 1
     once = optimize(tree)
