@@ -172,23 +172,21 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from span_workflows.compile import Compiler
-    from span_workflows.markers import choose_markers
     from span_workflows.model import resolve_model
     from span_workflows.optimize import optimize
     from span_workflows.pretty import pretty
-    from span_workflows.render import ChatRenderer
 
     queries = load_queries(args.files)
     model, queries = pick_model(queries, args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
-    compiler = Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), args.block_size)
+    compiler = Compiler.for_tokenizer(tokenizer, args.block_size)
     for path, query in zip(args.files, queries, strict=False):
         tree = optimize(query)
         print(f"== {path}\n{pretty(tree)}")
         if isinstance(tree, Generate):
             from span_workflows.compile import NestedOutput, nested_generations
 
-            nested = {p: NestedOutput(tuple(compiler.inner_prompt(g)), (), "")
+            nested = {p: NestedOutput(compiler.inner_prompt(g).token_ids, (), "")
                       for p, g in nested_generations(tree)}
             print(compiler.compile_generate(tree, nested).summary())
     return 0

@@ -1,26 +1,36 @@
 """Compile an optimized G into its block-aligned token form.
 
-Layout of a span-mode prompt (``|`` = a KV block boundary, ``+``/``x`` = marker tokens)::
+Layout of a span-mode prompt (``|`` = a KV block boundary, ``.`` = padding)::
 
-    [ordered prefix ......pad] | [+ span 1 ....pad] | [+ span 2 .pad] | [x ordered tail + gen]
+    [ordered prefix ....] | [span 1 ........] | [span 2 ...] | [ordered tail + generation prompt]
 
 * the ordered prefix starts at position 0 and chains like any vLLM prompt;
-* every plus span starts a KV block with the plus marker and is padded to a block boundary, so
-  its blocks hash on their own tokens only and can be reused at any position;
-* an ordered run after spans starts a block with the cross marker: its hash covers everything
-  before it.
+* every plus span starts a KV block and is padded to a block boundary (where the padding goes,
+  and whether a marker token opens the span, are :class:`~span_workflows.layout.SpanOptions`);
+* span boundaries travel next to the tokens as *segments* (``TokenizedQuery.segments``:
+  ``(offset, kind)`` with kind ``anchored``, ``isolated`` or ``ordered``), which the patched vLLM
+  hashes by: an ``anchored`` span's blocks chain over the ordered context before its plus (it
+  was computed attending to that context and to itself), an ``isolated`` span's blocks start a
+  chain of their own (computed alone from position 0), and an ``ordered`` run chains over
+  everything before it.
 
-A G nested under a plus (``inline_prompt``) contributes its own prompt followed by its output; a
-partial trailing block of that output is cropped (``crop=True``) because vLLM caches whole blocks
-only. A prompt without plus spans has no markers at all: it is exactly the stock chat prompt.
+Every span is computed in its own context first by *prepare* requests (``max_tokens=1``): for
+``attend="prefix"`` the prefix followed by the span, for ``attend="self"`` the span alone. The
+main request then finds each span in the cache and the engine moves its keys to where it sits.
+
+A G nested under a plus (``inline_prompt``) contributes its own prompt followed by its output, as
+an isolated span; a partial trailing block of that output is cropped (``crop=True``) because
+vLLM caches whole blocks only. A prompt without plus spans has no segments and no padding: it is
+exactly the stock chat prompt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
+from span_vllm.contract import ANCHORED, ISOLATED, ORDERED, Segments
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
     MESSAGE_TYPES,
@@ -33,7 +43,7 @@ from span_workflows.ir import (
     Prepare,
     User,
 )
-from span_workflows.markers import Markers
+from span_workflows.layout import LayoutTokens, SpanOptions
 from span_workflows.render import ChatRenderer, role_of
 
 SpanKind = Literal["prefix", "plus", "cross", "generated"]
@@ -41,13 +51,35 @@ SpanKind = Literal["prefix", "plus", "cross", "generated"]
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One segment of the token form. ``length`` includes the marker and padding."""
+    """One segment of the token form. ``length`` includes the marker and padding;
+    ``pad_at`` is where the padding starts inside the span (``content_tokens`` when it is at
+    the end)."""
 
     offset: int
     length: int
     kind: SpanKind
     content_tokens: int
     label: str = ""
+    pad_at: int = -1
+
+    @property
+    def pad_tokens(self) -> int:
+        """How many padding tokens the span holds."""
+        return self.length - self.content_tokens
+
+    @property
+    def padding(self) -> range:
+        """Absolute positions of the span's padding tokens."""
+        at = self.content_tokens if self.pad_at < 0 else self.pad_at
+        return range(self.offset + at, self.offset + at + self.pad_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class SpanPrompt:
+    """A token sequence with its span segments: what one engine request is sent."""
+
+    token_ids: tuple[int, ...]
+    segments: Segments = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +95,10 @@ class NestedOutput:
 class TokenizedQuery:
     """The token form of one G: what the engine is sent.
 
-    ``prepare`` lists token sequences to compute alone (max_tokens=1) before ``token_ids`` so
-    that every plus span's KV is computed in isolation; each is whole KV blocks long.
+    ``prepare_stages`` lists the prompts to compute (max_tokens=1) before ``token_ids`` so that
+    every plus span's KV is computed in the context its segment kind promises; a stage may only
+    start once the stages before it are cached (a later plus group's context holds the earlier
+    groups).
     """
 
     token_ids: list[int]
@@ -73,19 +107,36 @@ class TokenizedQuery:
     max_tokens: int
     temperature: float
     n: int = 1
-    prepare: list[list[int]] = field(default_factory=list)
+    prepare_stages: list[list[SpanPrompt]] = field(default_factory=list)
+    segments: Segments = ()
+    options: SpanOptions = field(default_factory=SpanOptions)
+
+    @property
+    def prepare(self) -> list[SpanPrompt]:
+        """Every prepare prompt, stage after stage."""
+        return [p for stage in self.prepare_stages for p in stage]
+
+    @property
+    def prompt(self) -> SpanPrompt:
+        """The main request: tokens and segments."""
+        return SpanPrompt(tuple(self.token_ids), self.segments)
 
     @property
     def num_span_tokens(self) -> int:
         """Tokens that live in plus spans (markers and padding included)."""
         return sum(s.length for s in self.spans if s.kind in ("plus", "generated"))
 
+    @property
+    def num_pad_tokens(self) -> int:
+        """Padding tokens in the whole prompt."""
+        return sum(s.pad_tokens for s in self.spans)
+
     def summary(self) -> str:
         """A short human-readable table of the spans."""
         lines = [
             f"{len(self.token_ids)} tokens, block size {self.block_size}, "
             f"{len(self.prepare)} prepare requests, max_tokens={self.max_tokens}, "
-            f"temperature={self.temperature}"
+            f"temperature={self.temperature}, spans attend to {self.options.attend}"
         ]
         for s in self.spans:
             lines.append(
@@ -119,18 +170,35 @@ def nested_generations(g: Generate) -> list[tuple[str, Generate]]:
 
 @dataclass
 class Compiler:
-    """Compiles optimized trees for one tokenizer, marker set and KV block size."""
+    """Compiles optimized trees for one tokenizer, layout tokens and KV block size.
+
+    ``options`` are the default :class:`SpanOptions`; :meth:`compile_generate` takes others
+    per query.
+    """
 
     renderer: ChatRenderer
-    markers: Markers
+    tokens: LayoutTokens
     block_size: int
     crop: bool = True
+    options: SpanOptions = field(default_factory=SpanOptions)
 
-    def inner_prompt(self, g: Generate) -> list[int]:
-        """Prompt of a G nested under a plus: a plus span of its own messages, opened by the
-        plus marker at position 0, ending with the generation prompt."""
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, block_size: int, *, crop: bool = True,
+                      options: SpanOptions | None = None) -> Compiler:
+        """A compiler for ``tokenizer`` with its chat template and layout tokens."""
+        options = options or SpanOptions()
+        return cls(ChatRenderer(tokenizer), LayoutTokens.for_tokenizer(tokenizer,
+                                                                        options.pad_text),
+                   block_size, crop, options)
+
+    def inner_prompt(self, g: Generate, options: SpanOptions | None = None) -> SpanPrompt:
+        """Prompt of a G nested under a plus: an isolated span of its own messages from
+        position 0, ending with the generation prompt."""
+        options = options or self.options
         messages = _messages_of(g.input, "input")
-        return [self.markers.plus, *self.renderer.span_chunk(messages, generation_prompt=True)]
+        chunk = self.renderer.span_chunk(messages, generation_prompt=True)
+        tokens = [self.tokens.marker, *chunk] if options.marker else chunk
+        return SpanPrompt(tuple(tokens), ((0, ISOLATED),))
 
     def compile_generate(
         self,
@@ -139,6 +207,7 @@ class Compiler:
         *,
         span_mode: bool = True,
         max_model_len: int | None = None,
+        options: SpanOptions | None = None,
     ) -> TokenizedQuery:
         """Token form of ``g`` (optimized), given the outputs of its nested G's by path.
 
@@ -146,30 +215,37 @@ class Compiler:
         plus children in the order given, nested outputs as assistant messages.
         """
         nested = nested or {}
+        options = options or self.options
         items = _top_items(g.input)
-        builder = _Builder(self, nested) if span_mode else None
-        if builder is None:
+        if span_mode:
+            tq = _Builder(self, nested, options).build(items, g)
+        else:
             tokens = self.renderer.conversation(
                 _flatten_stock(items, nested), generation_prompt=True
             )
             spans = [Span(0, len(tokens), "prefix", len(tokens), "chat")]
-            tq = TokenizedQuery(tokens, spans, self.block_size, g.max_tokens, g.temperature, g.n)
-        else:
-            tq = builder.build(items, g)
+            tq = TokenizedQuery(tokens, spans, self.block_size, g.max_tokens, g.temperature, g.n,
+                                options=options)
         if max_model_len is not None:
-            _check_length(tq, max_model_len)
+            check_fits(tq, max_model_len)
         return tq
 
 
 class _Builder:
     """Accumulates the span-mode token form."""
 
-    def __init__(self, compiler: Compiler, nested: Mapping[str, NestedOutput]) -> None:
+    def __init__(self, compiler: Compiler, nested: Mapping[str, NestedOutput],
+                 options: SpanOptions) -> None:
         self.c = compiler
         self.nested = nested
+        self.options = options
+        self.pad_id = (compiler.tokens.pad if options.pad_text == "\n"
+                       else LayoutTokens.for_tokenizer(compiler.renderer.tokenizer,
+                                                       options.pad_text).pad)
         self.tokens: list[int] = []
         self.spans: list[Span] = []
-        self.prepare: list[list[int]] = []
+        self.segments: list[tuple[int, str]] = []
+        self.stages: list[list[SpanPrompt]] = []
         self.roles: tuple[str, ...] = ()
 
     def build(self, items: list[tuple[str, Node]], g: Generate) -> TokenizedQuery:
@@ -182,8 +258,7 @@ class _Builder:
                     run = []
                 plus = node.child if isinstance(node, Prepare) else node
                 base = f"{path}.prepare" if isinstance(node, Prepare) else path
-                for i, child in enumerate(plus.children):
-                    self._span(f"{base}.plus[{i}]", child)
+                self._group(base, plus)
             else:
                 run.extend(self._ordered_messages(path, node))
         if not has_plus:
@@ -192,13 +267,30 @@ class _Builder:
             self.spans = [Span(0, len(tokens), "prefix", len(tokens), "chat")]
         else:
             self._ordered(run, generation_prompt=True)
-            if self.spans and self.spans[0].kind == "prefix":
-                first = self.spans[0]
-                self.prepare.insert(0, self.tokens[: first.length])
+            first = self.spans[0]
+            if first.kind == "prefix":
+                prefix = SpanPrompt(tuple(self.tokens[: first.length]))
+                self.stages[0].insert(0, prefix)
         return TokenizedQuery(
             self.tokens, self.spans, self.c.block_size, g.max_tokens, g.temperature, g.n,
-            self.prepare,
+            self.stages, tuple(self.segments), self.options,
         )
+
+    def _group(self, base: str, plus: Plus) -> None:
+        """One plus: its children as spans, all anchored at the context before them."""
+        start = len(self.tokens)
+        context = SpanPrompt(tuple(self.tokens), tuple(self.segments))
+        stage: list[SpanPrompt] = []
+        for i, child in enumerate(plus.children):
+            offset = len(self.tokens)
+            kind, seg = self._span(f"{base}.plus[{i}]", child)
+            self.segments.append((offset, kind))
+            if kind == ANCHORED:
+                stage.append(SpanPrompt(context.token_ids + tuple(seg),
+                                        (*context.segments, (start, ANCHORED))))
+            else:
+                stage.append(SpanPrompt(tuple(seg), ((0, ISOLATED),)))
+        self.stages.append(stage)
 
     def _ordered_messages(self, path: str, node: Node) -> list[Message]:
         if isinstance(node, MESSAGE_TYPES):
@@ -217,22 +309,25 @@ class _Builder:
 
     def _ordered(self, messages: list[Message], *, generation_prompt: bool) -> None:
         at_start = not self.tokens
-        chunk = self.c.renderer.ordered_chunk(
+        chunk, content_end = self.c.renderer.ordered_chunk_parts(
             self.roles, messages, generation_prompt=generation_prompt
         )
-        if at_start:
-            seg = chunk
-            kind: SpanKind = "prefix"
+        kind: SpanKind = "prefix" if at_start else "cross"
+        if not at_start:
+            self.segments.append((len(self.tokens), ORDERED))
+        opener = [self.c.tokens.marker] if self.options.marker and not at_start else []
+        if generation_prompt:
+            seg, pad_at = [*opener, *chunk], -1
         else:
-            seg = [self.c.markers.cross, *chunk]
-            kind = "cross"
-        content = len(seg)
-        if not generation_prompt:
-            seg = self._pad(seg)
-        self._emit(seg, kind, content, ",".join(role_of(m) for m in messages))
+            # An ordered run before spans ends on a block boundary; its padding never goes
+            # before it (that would put padding first in the prompt).
+            where = "inside" if self.options.pad != "after" else "after"
+            seg, pad_at = self._pad(opener, chunk, content_end, where)
+        content = len(opener) + len(chunk)
+        self._emit(seg, kind, content, ",".join(role_of(m) for m in messages), pad_at)
         self.roles += tuple(role_of(m) for m in messages)
 
-    def _span(self, path: str, node: Node) -> None:
+    def _span(self, path: str, node: Node) -> tuple[str, list[int]]:
         if isinstance(node, Generate):
             out = self.nested.get(path)
             if out is None:
@@ -244,26 +339,36 @@ class _Builder:
             if self.c.crop and keep >= len(out.prompt_ids):
                 seg = seg[:keep]
             else:
-                seg = self._pad(seg)
-            # Whole blocks of it were cached by the inner generation; a padded last block is
-            # not, so it is prepared alone like any span (the probe skips what is cached).
-            self.prepare.append(seg)
-            self._emit(seg, "generated", min(content, len(seg)), f"G@{path}")
+                seg, _ = self._pad([], seg, len(seg), "after")
+            self._emit(seg, "generated", min(content, len(seg)), f"G@{path}", -1)
+            kind = ISOLATED
         else:
             messages = _messages_of(node, path)
-            seg = [self.c.markers.plus, *self.c.renderer.span_chunk(messages)]
-            content = len(seg)
-            seg = self._pad(seg)
-            self.prepare.append(seg)
-            self._emit(seg, "plus", content, ",".join(role_of(m) for m in messages))
+            chunk, content_end = self.c.renderer.span_chunk_parts(messages)
+            opener = [self.c.tokens.marker] if self.options.marker else []
+            seg, pad_at = self._pad(opener, chunk, content_end, self.options.pad)
+            self._emit(seg, "plus", len(opener) + len(chunk),
+                       ",".join(role_of(m) for m in messages), pad_at)
+            kind = ANCHORED if self.options.attend == "prefix" else ISOLATED
         self.roles += ("user",)
+        return kind, seg
 
-    def _pad(self, seg: list[int]) -> list[int]:
-        rest = (-len(seg)) % self.c.block_size
-        return seg + [self.c.markers.pad] * rest
+    def _pad(self, opener: list[int], chunk: list[int], content_end: int,
+             where: str) -> tuple[list[int], int]:
+        """``opener + chunk`` padded to whole blocks; the padding goes after the chunk, inside
+        it (after its content, before the template's end-of-message tokens) or before it."""
+        rest = (-(len(opener) + len(chunk))) % self.c.block_size
+        pad = [self.pad_id] * rest
+        if where == "before":
+            return [*opener, *pad, *chunk], len(opener)
+        if where == "inside":
+            cut = content_end
+            return [*opener, *chunk[:cut], *pad, *chunk[cut:]], len(opener) + cut
+        return [*opener, *chunk, *pad], len(opener) + len(chunk)
 
-    def _emit(self, seg: list[int], kind: SpanKind, content: int, label: str) -> None:
-        self.spans.append(Span(len(self.tokens), len(seg), kind, content, label))
+    def _emit(self, seg: list[int], kind: SpanKind, content: int, label: str,
+              pad_at: int) -> None:
+        self.spans.append(Span(len(self.tokens), len(seg), kind, content, label, pad_at))
         self.tokens.extend(seg)
 
 
@@ -319,8 +424,9 @@ def _messages_of_inline(g: Generate) -> list[Message]:
         return [User(str(g.input))]
 
 
-def _check_length(tq: TokenizedQuery, max_model_len: int) -> None:
-    budget = tq.max_tokens if tq.max_tokens else 1
+def check_fits(tq: TokenizedQuery, max_model_len: int) -> None:
+    """Raise :class:`SpanQueryError` if ``tq`` and its generation budget exceed the context."""
+    budget = max(tq.max_tokens, 1)
     if len(tq.token_ids) + budget > max_model_len:
         raise SpanQueryError(
             "input",

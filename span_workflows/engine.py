@@ -19,12 +19,18 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from span_workflows.compile import Compiler, NestedOutput, TokenizedQuery, nested_generations
+from span_vllm import contract
+from span_workflows.compile import (
+    Compiler,
+    NestedOutput,
+    TokenizedQuery,
+    nested_generations,
+)
 from span_workflows.errors import ModelNotAvailableError, SpanQueryError
 from span_workflows.ir import Generate, Node
-from span_workflows.markers import Markers, choose_markers
+from span_workflows.layout import LayoutTokens, SpanOptions
 from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
-from span_workflows.plan import Output, Planner, Request, drive
+from span_workflows.plan import Output, Planner, Probe, QuerySettings, Request, drive
 from span_workflows.render import ChatRenderer
 from span_workflows.result import Metrics, Result
 
@@ -36,6 +42,9 @@ class Engine:
     Face model directory. ``block_size`` is the KV block size (a multiple of 32 on CPU).
     ``crop`` drops partial trailing blocks of nested outputs. ``kv_cache_gib`` sizes the CPU
     KV cache. ``locality_fanin`` (>= 2) turns on the attention-locality rewrite.
+    ``span_options`` (a :class:`~span_workflows.layout.SpanOptions`, or ``"prefix"`` /
+    ``"self"``) says what plus spans attend to and how they are laid out; every ``execute``
+    call may override it.
     """
 
     def __init__(
@@ -51,16 +60,18 @@ class Engine:
         max_num_seqs: int = 64,
         progress: bool = False,
         locality_fanin: int | None = None,
+        span_options: SpanOptions | str | None = None,
     ) -> None:
         self.locality_fanin = locality_fanin
+        self.span_options = SpanOptions.coerce(span_options)
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
         self.model_name = DEFAULT_MODEL_NAME if model is None else str(model)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.markers: Markers = choose_markers(self.tokenizer)
+        self.layout_tokens = LayoutTokens.for_tokenizer(self.tokenizer)
         self.block_size = block_size
-        _prepare_environment(self.markers, kv_cache_gib)
+        self._layout_key = _prepare_environment(kv_cache_gib)
         import span_vllm
 
         span_vllm.register()
@@ -80,7 +91,8 @@ class Engine:
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len
         self.renderer = ChatRenderer(self.tokenizer)
-        self.compiler = Compiler(self.renderer, self.markers, block_size, crop=crop)
+        self.compiler = Compiler(self.renderer, self.layout_tokens, block_size, crop=crop,
+                                 options=self.span_options)
         self.planner = Planner(self.compiler, self.max_model_len,
                                locality_fanin=locality_fanin)
         self._ids = itertools.count()
@@ -89,41 +101,62 @@ class Engine:
 
     # -- public API -----------------------------------------------------------------------------
     def execute(self, query: Node, *, optimize_query: bool = True,
-                logprobs: int | None = None) -> Result:
+                logprobs: int | None = None,
+                span_options: SpanOptions | str | None = None,
+                cache_salt: str | None = None) -> Result:
         """Run one span query; see :meth:`execute_many`."""
-        return self.execute_many([query], optimize_query=optimize_query, logprobs=logprobs)[0]
+        return self.execute_many([query], optimize_query=optimize_query, logprobs=logprobs,
+                                 span_options=span_options, cache_salt=cache_salt)[0]
 
     def execute_many(self, queries: Sequence[Node], *, optimize_query: bool = True,
-                     span_mode: bool = True, logprobs: int | None = None) -> list[Result]:
+                     span_mode: bool = True, logprobs: int | None = None,
+                     span_options: SpanOptions | str | None = None,
+                     cache_salt: str | None = None) -> list[Result]:
         """Run several queries concurrently (their requests share engine steps).
 
         ``span_mode=False`` is the stock baseline: the same queries as plain chat prompts (plus
         children in the order given), served by vLLM's ordinary prefix caching.
+        ``span_options`` overrides the engine's :class:`SpanOptions` for these queries.
+        ``cache_salt`` (vLLM's per-tenant salt) keeps these queries' cached KV, spans included,
+        apart from every other salt's. ``logprobs=k`` records the top-k log-probabilities of
+        each answer's first token (``Result.first_logprobs``).
         """
+        settings = QuerySettings(SpanOptions.coerce(span_options, self.span_options),
+                                 _salt(cache_salt), logprobs)
         with self._lock:
-            self.planner.logprobs = logprobs
             plans = [
                 self.planner.plan_query(self.planner.normalize(q, optimize_query, span_mode),
-                                        span_mode)
+                                        span_mode, settings)
                 for q in queries
             ]
             return drive(plans, self._run, self._probe)
+
+    def complete_many(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                      temperature: float = 0.0, logprobs: int | None = None) -> list[Output]:
+        """Generate after raw token prompts as plain requests, together (no span semantics:
+        vLLM's own prefix caching and full attention), e.g. to run a span layout as stock."""
+        with self._lock:
+            return self._run([Request(list(p), max_tokens, temperature, logprobs=logprobs)
+                              for p in prompts])
 
     def stock(self, query: Node) -> Result:
         """Run ``query`` in stock mode (no spans), for comparison."""
         return self.execute_many([query], span_mode=False)[0]
 
-    def compile(self, query: Node, *, span_mode: bool = True) -> TokenizedQuery:
+    def compile(self, query: Node, *, span_mode: bool = True,
+                span_options: SpanOptions | str | None = None) -> TokenizedQuery:
         """Token form of a G query whose nested G's (if any) are not yet run: for inspection."""
+        options = SpanOptions.coerce(span_options, self.span_options)
         node = self.planner.normalize(query, True, span_mode)
         if not isinstance(node, Generate):
             raise SpanQueryError("", "only a G at the top can be compiled alone")
         placeholders = {
-            path: NestedOutput(tuple(self.compiler.inner_prompt(g)), (), "")
+            path: NestedOutput(self.compiler.inner_prompt(g, options).token_ids, (), "")
             for path, g in nested_generations(node)
         }
         return self.compiler.compile_generate(
-            node, placeholders, span_mode=span_mode, max_model_len=self.max_model_len
+            node, placeholders, span_mode=span_mode, max_model_len=self.max_model_len,
+            options=options,
         )
 
     def span_stats(self) -> dict[str, int]:
@@ -158,11 +191,13 @@ class Engine:
         self.close()
 
     # -- the engine loop ------------------------------------------------------------------------
-    def _probe(self, sequences: list[list[int]]) -> list[bool]:
-        """Which sequences have all their blocks in the prefix cache now."""
+    def _probe(self, step: Probe) -> list[bool]:
+        """Which prompts have all their blocks in the prefix cache now."""
         from span_vllm.patches import probe
 
-        return probe(self._engine.engine_core.engine_core, sequences)
+        core = self._engine.engine_core.engine_core
+        return [probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
+                for p, salt in zip(step.sequences, step.salts, strict=True)]
 
     def _run(self, requests: list[Request]) -> list[Output]:
         from vllm import SamplingParams
@@ -174,8 +209,13 @@ class Engine:
             params = SamplingParams(
                 max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
                 logprobs=req.logprobs,
+                extra_args=(contract.layout_args(req.segments, self._layout_key)
+                            if req.segments else None),
             )
-            self._engine.add_request(rid, {"prompt_token_ids": list(req.prompt)}, params)
+            prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt)}
+            if req.cache_salt is not None:
+                prompt["cache_salt"] = req.cache_salt
+            self._engine.add_request(rid, prompt, params)
             ids.append(rid)
         first: dict[str, float] = {}
         done: dict[str, Any] = {}
@@ -225,8 +265,18 @@ class Engine:
         return results
 
 
-def _prepare_environment(markers: Markers, kv_cache_gib: int) -> None:
-    """Environment vLLM needs in-process here, and the span plugin's settings."""
+def _salt(value: str | None) -> str | None:
+    """A checked cache salt (``None`` or a non-empty string)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise SpanQueryError("cache_salt", "must be a non-empty string")
+    return value
+
+
+def _prepare_environment(kv_cache_gib: int) -> str:
+    """Environment vLLM needs in-process here, and the span plugin's settings; returns the
+    layout key."""
     defaults = {
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -239,8 +289,7 @@ def _prepare_environment(markers: Markers, kv_cache_gib: int) -> None:
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    os.environ["SPAN_VLLM"] = "1"
-    markers.export_env()
+    return contract.enable()
 
 
 def available_models() -> Iterable[str]:

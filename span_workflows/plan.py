@@ -28,9 +28,18 @@ from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from span_workflows.compile import Compiler, NestedOutput, TokenizedQuery, nested_generations
+from span_vllm.contract import Segments
+from span_workflows.compile import (
+    Compiler,
+    NestedOutput,
+    SpanPrompt,
+    TokenizedQuery,
+    check_fits,
+    nested_generations,
+)
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Cross, Generate, Node, Plus
+from span_workflows.layout import SpanOptions
 from span_workflows.optimize import optimize
 from span_workflows.result import Metrics, Result
 
@@ -48,6 +57,16 @@ class Request:
     logprobs: int | None = None
     #: abort after the first step if fewer prompt tokens than this came from the cache
     min_cached: int = 0
+    #: span segments of ``prompt`` (empty: a plain prompt, hashed as stock vLLM does)
+    segments: Segments = ()
+    #: vLLM's ``cache_salt``: requests with different salts share no cached KV
+    cache_salt: str | None = None
+
+    @classmethod
+    def prepare(cls, prompt: SpanPrompt, cache_salt: str | None = None) -> Request:
+        """A prepare request: compute ``prompt``'s KV (one token generated, greedy)."""
+        return cls(list(prompt.token_ids), 1, 0.0, segments=prompt.segments,
+                   cache_salt=cache_salt)
 
 
 @dataclass
@@ -69,9 +88,26 @@ class Output:
 
 @dataclass
 class Probe:
-    """Ask which of ``sequences`` (each hashed as if it started a request) are fully cached."""
+    """Ask which of ``sequences`` (each hashed as a request with its segments) are fully
+    cached."""
 
-    sequences: list[list[int]]
+    sequences: list[SpanPrompt]
+    #: the ``cache_salt`` each sequence is hashed with (``None``: unsalted)
+    salts: list[str | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.salts:
+            self.salts = [None] * len(self.sequences)
+
+
+@dataclass(frozen=True, slots=True)
+class QuerySettings:
+    """Per-query execution settings: span options, the tenant's cache salt, and how many
+    top log-probabilities of each final generation's first token to record."""
+
+    options: SpanOptions = field(default_factory=SpanOptions)
+    cache_salt: str | None = None
+    logprobs: int | None = None
 
 
 Step = list[Request] | Probe
@@ -90,8 +126,6 @@ class Planner:
         self.compiler = compiler
         self.block_size = compiler.block_size
         self.max_model_len = max_model_len
-        #: top-k log-probabilities to record for each final generation's first token
-        self.logprobs: int | None = None
 
     def normalize(self, query: Node, optimize_query: bool = True, span_mode: bool = True) -> Node:
         """The tree that is executed: optimized (span mode) or desugared in order (stock)."""
@@ -100,16 +134,19 @@ class Planner:
             node = ordered_for_stock(query)
         return node
 
-    def plan_query(self, node: Node, span_mode: bool = True) -> Plan:
+    def plan_query(self, node: Node, span_mode: bool = True,
+                   settings: QuerySettings | None = None) -> Plan:
         """The plan of a normalized query: a G or a top-level plus/cross of G's."""
+        settings = settings or QuerySettings(self.compiler.options)
         if isinstance(node, Generate):
-            return self.plan_generate(node, span_mode, inline=False, part=0)
+            return self.plan_generate(node, span_mode, inline=False, part=0, settings=settings)
         if isinstance(node, (Plus, Cross)):
-            return self.plan_join(node, span_mode)
+            return self.plan_join(node, span_mode, settings)
         raise SpanQueryError("", f"the top of a query must be a G (or a join of G's), not "
                                  f"{type(node).__name__}")
 
-    def plan_join(self, node: Plus | Cross, span_mode: bool) -> Plan:
+    def plan_join(self, node: Plus | Cross, span_mode: bool,
+                  settings: QuerySettings | None = None) -> Plan:
         """A top-level join: a plus runs its G's together, a cross one after another."""
         started = time.perf_counter()
         key = "plus" if isinstance(node, Plus) else "cross"
@@ -118,14 +155,15 @@ class Planner:
                 raise SpanQueryError(f"{key}[{i}]", "a top-level join must join G's")
         if isinstance(node, Plus):
             parts = yield from gather([
-                self.plan_generate(c, span_mode, inline=False, part=i)
+                self.plan_generate(c, span_mode, inline=False, part=i, settings=settings)
                 for i, c in enumerate(node.children)
             ])
         else:
             parts = []
             for i, child in enumerate(node.children):
                 parts.append(
-                    (yield from self.plan_generate(child, span_mode, inline=False, part=i))
+                    (yield from self.plan_generate(child, span_mode, inline=False, part=i,
+                                                   settings=settings))
                 )
         metrics = Metrics(
             ttft_s=min(p.metrics.ttft_s for p in parts),
@@ -139,15 +177,18 @@ class Planner:
                       [t for p in parts for t in p.texts], parts=parts)
 
     def plan_generate(self, g: Generate, span_mode: bool, *, inline: bool,
-                      part: int | None = None) -> Plan:
+                      part: int | None = None, settings: QuerySettings | None = None) -> Plan:
         """One G: nested G's, prepares of uncached spans, then the main request."""
+        settings = settings or QuerySettings(self.compiler.options)
+        options, salt = settings.options, settings.cache_salt
         started = time.perf_counter()
         nested_nodes = nested_generations(g)
         nested: dict[str, NestedOutput] = {}
         nested_results: dict[str, Result] = {}
         if nested_nodes:
             results = yield from gather([
-                self.plan_generate(child, span_mode, inline=span_mode and child.inline_prompt)
+                self.plan_generate(child, span_mode, inline=span_mode and child.inline_prompt,
+                                   settings=settings)
                 for _, child in nested_nodes
             ])
             for (path, _), result in zip(nested_nodes, results, strict=True):
@@ -157,30 +198,36 @@ class Planner:
                 )
                 nested_results[path] = result
         if inline:
-            prompt = self.compiler.inner_prompt(g)
-            tq = TokenizedQuery(prompt, [], self.block_size, g.max_tokens, g.temperature, g.n)
+            prompt = self.compiler.inner_prompt(g, options)
+            tq = TokenizedQuery(list(prompt.token_ids), [], self.block_size, g.max_tokens,
+                                g.temperature, g.n, segments=prompt.segments, options=options)
             check_fits(tq, self.max_model_len)
         else:
             tq = self.compiler.compile_generate(
-                g, nested, span_mode=span_mode, max_model_len=self.max_model_len
+                g, nested, span_mode=span_mode, max_model_len=self.max_model_len,
+                options=options,
             )
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
         expected = _expected_hits(tq) if span_mode else 0
         prepared = 0
         for attempt in range(MAX_ATTEMPTS):
-            prepares: list[list[int]] = []
-            if span_mode and tq.prepare:
-                cached = yield Probe(tq.prepare)
+            if span_mode and tq.prepare_stages:
+                everything = tq.prepare
+                cached = yield Probe(everything, [salt] * len(everything))
                 # After an eviction, prepare every span again: those already cached are
                 # then in use, and freshest in the cache, while the missing ones compute.
-                prepares = missing(tq.prepare, [False] * len(cached) if attempt else cached)
-            if prepares:
-                yield [Request(p, 1, 0.0) for p in prepares]
-                prepared += len(prepares)
+                hit = {_key(p) for p, c in zip(everything, cached, strict=True)
+                       if c and not attempt}
+                # A later stage's context holds the spans of the earlier ones: run in order.
+                for stage in tq.prepare_stages:
+                    prepares = missing(stage, [_key(p) in hit for p in stage])
+                    if prepares:
+                        yield [Request.prepare(p, salt) for p in prepares]
+                        prepared += len(prepares)
             last = attempt == MAX_ATTEMPTS - 1
             [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
-                                   None if inline else self.logprobs,
-                                   0 if last else expected)]
+                                   None if inline else settings.logprobs,
+                                   0 if last else expected, tq.segments, salt)]
             if not out.short:
                 break
         metrics = Metrics(
@@ -207,13 +254,17 @@ def _expected_hits(tq: TokenizedQuery) -> int:
     return tq.spans[-1].offset
 
 
-def missing(sequences: Sequence[list[int]], cached: Sequence[bool]) -> list[list[int]]:
-    """The sequences not cached (per ``cached``), without duplicates, in order."""
-    unique: dict[tuple[int, ...], list[int]] = {}
-    for seq, hit in zip(sequences, cached, strict=True):
+def missing(prompts: Sequence[SpanPrompt], cached: Sequence[bool]) -> list[SpanPrompt]:
+    """The prompts not cached (per ``cached``), without duplicates, in order."""
+    unique: dict[tuple, SpanPrompt] = {}
+    for prompt, hit in zip(prompts, cached, strict=True):
         if not hit:
-            unique.setdefault(tuple(seq), seq)
+            unique.setdefault(_key(prompt), prompt)
     return list(unique.values())
+
+
+def _key(prompt: SpanPrompt) -> tuple:
+    return (prompt.token_ids, prompt.segments)
 
 
 def _start(plans: Sequence[Plan], results: list[Result | None]) -> dict[int, Step]:
@@ -236,7 +287,8 @@ def _merge(pending: dict[int, Step]) -> tuple[Step, list[tuple[int, int]]]:
     probes = {i: s for i, s in pending.items() if isinstance(s, Probe)}
     if probes:
         order = [(i, len(s.sequences)) for i, s in probes.items()]
-        return Probe([q for s in probes.values() for q in s.sequences]), order
+        return Probe([q for s in probes.values() for q in s.sequences],
+                     [salt for s in probes.values() for salt in s.salts]), order
     order = [(i, len(s)) for i, s in pending.items()]  # type: ignore[arg-type]
     return [r for s in pending.values() for r in s], order  # type: ignore[union-attr]
 
@@ -265,21 +317,21 @@ def gather(plans: list[Plan]) -> Generator[Step, Any, list[Result]]:
 
 
 def drive(plans: list[Plan], run: Callable[[list[Request]], list[Output]],
-          probe: Callable[[list[list[int]]], list[bool]]) -> list[Result]:
+          probe: Callable[[Probe], list[bool]]) -> list[Result]:
     """Run plans to completion with a synchronous engine: ``run`` executes a batch of
     requests together, ``probe`` answers cache probes."""
     plan = gather(plans)
     try:
         step = next(plan)
         while True:
-            answer = probe(step.sequences) if isinstance(step, Probe) else run(step)
+            answer = probe(step) if isinstance(step, Probe) else run(step)
             step = plan.send(answer)
     except StopIteration as stop:
         return stop.value
 
 
 async def drive_async(plans: list[Plan], run: Callable[[Request], Awaitable[Output]],
-                      probe: Callable[[list[list[int]]], Awaitable[list[bool]]]) -> list[Result]:
+                      probe: Callable[[Probe], Awaitable[list[bool]]]) -> list[Result]:
     """Run plans to completion with an async engine: ``run`` executes one request (the
     requests of a step run concurrently), ``probe`` answers cache probes."""
     plan = gather(plans)
@@ -287,7 +339,7 @@ async def drive_async(plans: list[Plan], run: Callable[[Request], Awaitable[Outp
         step = next(plan)
         while True:
             if isinstance(step, Probe):
-                answer: list[Any] = await probe(step.sequences)
+                answer: list[Any] = await probe(step)
             else:
                 answer = list(await _all(run(r) for r in step))
             step = plan.send(answer)
@@ -320,15 +372,8 @@ def ordered_for_stock(query: Node) -> Node:
     return node
 
 
-def check_fits(tq: TokenizedQuery, max_model_len: int) -> None:
-    """Raise :class:`SpanQueryError` if ``tq`` and its generation budget exceed the context."""
-    if len(tq.token_ids) + max(tq.max_tokens, 1) > max_model_len:
-        raise SpanQueryError(
-            "input", f"query is {len(tq.token_ids)} tokens, longer than the model's context "
-                     f"of {max_model_len} tokens")
-
-
 __all__ = [
-    "Metrics", "Output", "Plan", "Planner", "Probe", "Request", "Result", "Step", "check_fits",
+    "Metrics", "Output", "Plan", "Planner", "Probe", "QuerySettings", "Request", "Result", "Step",
+    "check_fits",
     "drive", "drive_async", "gather", "missing", "ordered_for_stock",
 ]

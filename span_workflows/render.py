@@ -55,13 +55,26 @@ class ChatRenderer:
     ) -> list[int]:
         """Tokens that ``messages`` add after messages with roles ``before`` (plus the
         generation prompt if asked). Content of earlier messages does not matter."""
+        return self.ordered_chunk_parts(before, messages, generation_prompt=generation_prompt)[0]
+
+    def ordered_chunk_parts(
+        self, before: tuple[str, ...], messages: list[Message], *, generation_prompt: bool = False
+    ) -> tuple[list[int], int]:
+        """:meth:`ordered_chunk` and the index just after the last message's content (where
+        the template's end-of-message tokens begin)."""
         roles = tuple(role_of(m) for m in messages)
         pieces = self._template(("chunk", before, roles, generation_prompt))
-        return self._assemble(pieces, [m.text for m in messages])
+        return self._assemble_parts(pieces, [m.text for m in messages])
 
     def span_chunk(self, messages: list[Message], *, generation_prompt: bool = False) -> list[int]:
         """Tokens of a commuting span, rendered in a fixed neutral context (position-free)."""
-        return self.ordered_chunk(("system",), messages, generation_prompt=generation_prompt)
+        return self.span_chunk_parts(messages, generation_prompt=generation_prompt)[0]
+
+    def span_chunk_parts(
+        self, messages: list[Message], *, generation_prompt: bool = False
+    ) -> tuple[list[int], int]:
+        """:meth:`span_chunk` and the index just after its last content."""
+        return self.ordered_chunk_parts(("system",), messages, generation_prompt=generation_prompt)
 
     def generation_prompt(self, before: tuple[str, ...]) -> list[int]:
         """Tokens the template adds to ask the assistant to answer."""
@@ -72,14 +85,21 @@ class ChatRenderer:
         return list(self._encode_text(text))
 
     # -- internals ------------------------------------------------------------------------------
-    def _assemble(self, pieces: tuple[tuple[str, int], ...], contents: list[str]) -> list[int]:
+    def _assemble(self, pieces: tuple[tuple[str, Any], ...], contents: list[str]) -> list[int]:
+        return self._assemble_parts(pieces, contents)[0]
+
+    def _assemble_parts(
+        self, pieces: tuple[tuple[str, Any], ...], contents: list[str]
+    ) -> tuple[list[int], int]:
         out: list[int] = []
+        content_end = 0
         for kind, value in pieces:
             if kind == "tokens":
-                out.extend(value)  # type: ignore[arg-type]
+                out.extend(value)
             else:
-                out.extend(self._encode_text(contents[value]))  # type: ignore[index]
-        return out
+                out.extend(self._encode_text(contents[value]))
+                content_end = len(out)
+        return out, content_end
 
     def _encode_text_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(

@@ -9,6 +9,7 @@ with the span plugin active and ``/v1/query/execute`` added.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,7 +18,6 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from span_workflows.markers import choose_markers
 from span_workflows.model import resolve_model
 
 LAUNCHER_MODULE = "span_vllm.api"
@@ -70,18 +70,16 @@ def server_env(
     kv_cache_gib: int = 2,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of the server: span mode on, its marker tokens, vLLM's settings."""
-    from transformers import AutoTokenizer
+    """The environment of the server: span mode on, its layout key, vLLM's settings."""
+    from span_vllm.contract import ENABLE_ENV, KEY_ENV
 
     env = dict(os.environ if base is None else base)
     for key, value in _ENV_DEFAULTS.items():
         env.setdefault(key, value)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    model_dir = resolve_model(None if model is None else str(model), progress=True)
-    markers = choose_markers(AutoTokenizer.from_pretrained(str(model_dir)))
-    env["SPAN_VLLM"] = "1"
-    env["SPAN_VLLM_PLUS_TOKEN"] = str(markers.plus)
-    env["SPAN_VLLM_CROSS_TOKEN"] = str(markers.cross)
+    resolve_model(None if model is None else str(model), progress=True)
+    env[ENABLE_ENV] = "1"
+    env.setdefault(KEY_ENV, secrets.token_hex(16))
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
 

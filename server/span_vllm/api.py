@@ -28,29 +28,32 @@ import time
 import uuid
 from argparse import Namespace
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
+from span_vllm import contract
 from span_workflows.compile import Compiler
 from span_workflows.errors import SpanQueryError
 from span_workflows.json_ir import from_json, parse_json
-from span_workflows.markers import Markers, choose_markers
-from span_workflows.plan import PART_SEPARATOR, Output, Planner, Request, drive_async
-from span_workflows.render import ChatRenderer
+from span_workflows.layout import SpanOptions
+from span_workflows.plan import (
+    PART_SEPARATOR,
+    Output,
+    Planner,
+    Probe,
+    QuerySettings,
+    Request,
+    drive_async,
+)
 
 #: Largest request body accepted by ``/v1/query/execute`` (bytes), unless ``--span-max-body``.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 EXECUTE_PATH = "/v1/query/execute"
 DEFAULT_HOST = "127.0.0.1"
-_WRAPPER_KEYS = frozenset({"query", "stream", "optimize"})
-_STAT_NAMES = {
-    "hit_blocks": "KV blocks of plus spans served from the span cache",
-    "miss_blocks": "KV blocks of plus spans computed (not found in the span cache)",
-    "repositioned_tokens": "tokens whose cached keys were re-rotated to a new position",
-    "duplicated_blocks": "cached blocks copied because another request read them elsewhere",
-    "unregistered_blocks": "span blocks computed in context and kept out of the cache",
-}
+_WRAPPER_KEYS = frozenset({"query", "stream", "optimize", "span_options", "cache_salt"})
+_STAT_NAMES = contract.STAT_HELP
 
 #: Environment the engine needs (defaults only; an explicit setting wins).
 ENV_DEFAULTS = {
@@ -70,8 +73,19 @@ class BodyTooLarge(Exception):
     """The request body is over the size cap."""
 
 
-def parse_body(body: bytes) -> tuple[Any, bool, bool]:
-    """``(query node, stream, optimize)`` from a request body; :class:`SpanQueryError` if bad."""
+@dataclass(frozen=True, slots=True)
+class QueryBody:
+    """A parsed ``/v1/query/execute`` body."""
+
+    node: Any
+    stream: bool = False
+    optimize: bool = True
+    span_options: SpanOptions | None = None
+    cache_salt: str | None = None
+
+
+def parse_body(body: bytes) -> QueryBody:
+    """The query and its options from a request body; :class:`SpanQueryError` if bad."""
     if body.startswith(b"\xef\xbb\xbf"):
         body = body[3:]
     try:
@@ -82,17 +96,20 @@ def parse_body(body: bytes) -> tuple[Any, bool, bool]:
     if not text.strip():
         raise SpanQueryError("", "empty request body: expected a span query in JSON")
     obj = parse_json(text)
-    stream = False
-    optimize_query = True
-    if isinstance(obj, dict) and "query" in obj and set(obj) <= _WRAPPER_KEYS:
-        stream = obj.get("stream", False)
-        if not isinstance(stream, bool):
-            raise SpanQueryError("stream", "must be true or false")
-        optimize_query = obj.get("optimize", True)
-        if not isinstance(optimize_query, bool):
-            raise SpanQueryError("optimize", "must be true or false")
-        obj = obj["query"]
-    return from_json(obj), stream, optimize_query
+    if not (isinstance(obj, dict) and "query" in obj and set(obj) <= _WRAPPER_KEYS):
+        return QueryBody(from_json(obj))
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise SpanQueryError("stream", "must be true or false")
+    optimize_query = obj.get("optimize", True)
+    if not isinstance(optimize_query, bool):
+        raise SpanQueryError("optimize", "must be true or false")
+    salt = obj.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise SpanQueryError("cache_salt", "must be a non-empty string")
+    options = obj.get("span_options")
+    return QueryBody(from_json(obj["query"]), stream, optimize_query,
+                     None if options is None else SpanOptions.coerce(options), salt)
 
 
 def error_body(exc: SpanQueryError) -> dict[str, Any]:
@@ -160,18 +177,20 @@ def _sse(obj: dict[str, Any]) -> bytes:
 class SpanQueryService:
     """Executes span queries against a running vLLM engine client (``AsyncLLM``)."""
 
-    def __init__(self, engine_client: Any, tokenizer: Any, markers: Markers, block_size: int,
-                 max_model_len: int) -> None:
+    def __init__(self, engine_client: Any, tokenizer: Any, block_size: int,
+                 max_model_len: int, layout_key: str) -> None:
         self.engine = engine_client
-        self.markers = markers
-        compiler = Compiler(ChatRenderer(tokenizer), markers, block_size)
-        self.planner = Planner(compiler, max_model_len)
+        self.layout_key = layout_key
+        self.planner = Planner(Compiler.for_tokenizer(tokenizer, block_size), max_model_len)
         self.stats: dict[str, int] = dict.fromkeys(_STAT_NAMES, 0)
 
     async def execute(self, node: Any, *, optimize_query: bool = True,
-                      stream: _Stream | None = None) -> Any:
+                      stream: _Stream | None = None, span_options: SpanOptions | None = None,
+                      cache_salt: str | None = None) -> Any:
         """Run one parsed query; returns a :class:`span_workflows.engine.Result`."""
-        plan = self.planner.plan_query(self.planner.normalize(node, optimize_query))
+        settings = QuerySettings(span_options or self.planner.compiler.options, cache_salt)
+        plan = self.planner.plan_query(self.planner.normalize(node, optimize_query),
+                                       True, settings)
 
         async def run(req: Request) -> Output:
             return await self._run(req, stream)
@@ -179,25 +198,32 @@ class SpanQueryService:
         [result] = await drive_async([plan], run, self._probe)
         return result
 
-    async def _probe(self, sequences: list[list[int]]) -> list[bool]:
-        answers = await self.engine.engine_core.call_utility_async("span_probe", sequences)
-        return [bool(a) for a in answers]
+    async def _probe(self, step: Probe) -> list[bool]:
+        answers = []
+        for prompt, salt in zip(step.sequences, step.salts, strict=True):
+            [hit] = await self.engine.engine_core.call_utility_async(
+                contract.PROBE_CALL, [[list(prompt.token_ids), list(prompt.segments)]], salt)
+            answers.append(bool(hit))
+        return answers
 
     async def _run(self, req: Request, stream: _Stream | None) -> Output:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
-            max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n
+            max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
+            extra_args=(contract.layout_args(req.segments, self.layout_key)
+                        if req.segments else None),
         )
         live = stream if req.part is not None else None
         submitted = time.perf_counter()
         first: float | None = None
         final = None
         short = False
-        outputs_stream = self.engine.generate(
-            TokensPrompt(prompt_token_ids=list(req.prompt)), params, f"span-{uuid.uuid4().hex}"
-        )
+        prompt = TokensPrompt(prompt_token_ids=list(req.prompt))
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        outputs_stream = self.engine.generate(prompt, params, f"span-{uuid.uuid4().hex}")
         async for out in outputs_stream:
             if first is None and any(o.token_ids for o in out.outputs):
                 first = time.perf_counter()
@@ -235,7 +261,7 @@ class SpanQueryService:
         """Fetch the span counters from the engine core (keeps the last values on failure)."""
         try:
             snap = await asyncio.wait_for(
-                self.engine.engine_core.call_utility_async("span_stats"), timeout
+                self.engine.engine_core.call_utility_async(contract.STATS_CALL), timeout
             )
             self.stats.update({k: int(v) for k, v in dict(snap).items()})
         except Exception:  # noqa: BLE001 - metrics must never fail a scrape
@@ -285,11 +311,13 @@ def make_router(max_body: int = MAX_BODY_BYTES) -> Any:
         service: SpanQueryService = request.app.state.span_service
         try:
             body = await _read_body(request, max_body)
-            node, stream, optimize_query = parse_body(body)
-            if not stream:
-                result = await service.execute(node, optimize_query=optimize_query)
+            query = parse_body(body)
+            if not query.stream:
+                result = await service.execute(
+                    query.node, optimize_query=query.optimize, span_options=query.span_options,
+                    cache_salt=query.cache_salt)
                 return JSONResponse(result_body(result))
-            return await _stream_response(service, node, optimize_query, StreamingResponse)
+            return await _stream_response(service, query, StreamingResponse)
         except BodyTooLarge:
             return JSONResponse(
                 {"error": {"message": f"request body is larger than {max_body} bytes",
@@ -334,7 +362,7 @@ async def _read_body(request: Any, max_body: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _stream_response(service: SpanQueryService, node: Any, optimize_query: bool,
+async def _stream_response(service: SpanQueryService, query: QueryBody,
                            response_class: Any) -> Any:
     """Start the query; answer SSE once it produced its first delta (so invalid queries still
     get a plain 400), or the plain error if it failed before that."""
@@ -342,7 +370,9 @@ async def _stream_response(service: SpanQueryService, node: Any, optimize_query:
 
     async def work() -> None:
         try:
-            result = await service.execute(node, optimize_query=optimize_query, stream=stream)
+            result = await service.execute(
+                query.node, optimize_query=query.optimize, stream=stream,
+                span_options=query.span_options, cache_salt=query.cache_salt)
             stream.queue.put_nowait(("done", result))
         except BaseException as exc:  # handed to the response, which re-raises or reports
             stream.queue.put_nowait(("error", exc))
@@ -441,19 +471,13 @@ def install(app: Any, service: SpanQueryService, *, max_body: int = MAX_BODY_BYT
 # Launcher
 
 
-def prepare_environment(model: str, tokenizer: str | None = None) -> Markers:
-    """Turn span mode on for this process and the engine processes it starts: the marker
-    tokens of the model's tokenizer and the engine's environment defaults."""
-    from transformers import AutoTokenizer
-
+def prepare_environment() -> str:
+    """Turn span mode on for this process and the engine processes it starts (the layout key
+    and the engine's environment defaults); returns the layout key."""
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    tok = AutoTokenizer.from_pretrained(tokenizer or model)
-    markers = choose_markers(tok)
-    os.environ["SPAN_VLLM"] = "1"
-    markers.export_env()
-    return markers
+    return contract.enable()
 
 
 def make_parser() -> Any:
@@ -496,12 +520,9 @@ async def run(args: Namespace) -> None:
             await init_app_state(engine_client, app.state, args, supported_tasks)
             model_config = engine_client.model_config
             tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-            markers = Markers(int(os.environ["SPAN_VLLM_PLUS_TOKEN"]),
-                              int(os.environ["SPAN_VLLM_CROSS_TOKEN"]),
-                              choose_markers(tokenizer).pad)
             block_size = int(engine_client.vllm_config.cache_config.block_size)
-            service = SpanQueryService(engine_client, tokenizer, markers, block_size,
-                                       int(model_config.max_model_len))
+            service = SpanQueryService(engine_client, tokenizer, block_size,
+                                       int(model_config.max_model_len), contract.layout_key())
             install(app, service, max_body=args.span_max_body)
             shutdown_task = await serve_http(
                 app,
@@ -536,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None) and not args.model:
         args.model = args.model_tag
-    prepare_environment(args.model, args.tokenizer)
+    prepare_environment()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     import uvloop

@@ -1,39 +1,26 @@
-"""When the plugin is active and which marker tokens it honours (read from the environment).
+"""When the plugin is active in this process, and the layout key it honours.
 
-``SPAN_VLLM=1`` turns span mode on; ``SPAN_VLLM_PLUS_TOKEN`` / ``SPAN_VLLM_CROSS_TOKEN`` name the
-marker token ids (the client library sets all three from the model's tokenizer before it starts
-an engine; the server launcher does the same).
+``SPAN_VLLM=1`` turns span mode on; ``SPAN_VLLM_LAYOUT_KEY`` is the secret that a request's
+span layout must carry (see :mod:`span_vllm.contract`). The client library and the server
+launcher set both before they start an engine; engine processes inherit them.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
-ENABLE_ENV = "SPAN_VLLM"
-PLUS_ENV = "SPAN_VLLM_PLUS_TOKEN"
-CROSS_ENV = "SPAN_VLLM_CROSS_TOKEN"
+from span_vllm.contract import ENABLE_ENV, KEY_ENV, enabled
 
 
-@dataclass(frozen=True, slots=True)
-class SpanConfig:
-    """Marker token ids the patched vLLM hashes and repositions by."""
-
-    plus_token: int
-    cross_token: int
-
-
-def enabled() -> bool:
-    """Whether span mode was asked for in this process's environment."""
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def load() -> SpanConfig:
-    """The active configuration; raises a clear error if the markers are not set."""
-    try:
-        return SpanConfig(int(os.environ[PLUS_ENV]), int(os.environ[CROSS_ENV]))
-    except (KeyError, ValueError) as exc:
+def layout_key() -> str:
+    """The layout key of this process; raises a clear error if span mode has none."""
+    key = os.environ.get(KEY_ENV, "")
+    if not key:
         raise RuntimeError(
-            f"span mode is on ({ENABLE_ENV}=1) but {PLUS_ENV}/{CROSS_ENV} are not set to token "
-            "ids; start engines through span_workflows.Engine or `span-workflows serve`"
-        ) from exc
+            f"span mode is on ({ENABLE_ENV}=1) but {KEY_ENV} is not set; start engines through "
+            "span_workflows.Engine or `span-workflows serve`"
+        )
+    return key
+
+
+__all__ = ["enabled", "layout_key"]

@@ -1,108 +1,240 @@
-"""Span-aware KV block hashing.
+"""Span-aware KV block hashing, driven by the segments a request carries.
 
-Rules, per full block of ``block_size`` tokens:
+A block's hash names the context its KV was computed in. Per full block of ``block_size``
+tokens (see :mod:`span_vllm.contract` for the segment kinds):
 
-* a block whose first token is the **plus marker** starts a new chain: its hash depends only on
-  its own tokens (and the blocks of its span after it chain from it), so a span's blocks have
-  the same hashes wherever the span is placed;
-* a block whose first token is the **cross marker** chains over *every* block before it (the
-  tuple of all earlier hashes), so an ordered tail is never reused after different spans;
-* any other block chains from the previous block, exactly like stock vLLM. A prompt without
-  markers therefore hashes exactly as stock vLLM does.
+* the first block of an **anchored** span chains from the *anchor*: the hash of the last block
+  before its plus group (the root, salted, if the group starts the prompt). Every span of one
+  plus therefore hashes as if it directly followed that context, whatever its siblings;
+* the first block of an **isolated** span chains from a fixed root salted with the request's
+  ``cache_salt``: its hash depends on its own tokens only;
+* the first block of an **ordered** run chains from a digest of *every* block before it, so an
+  ordered tail is never reused after different spans;
+* any other block chains from the block before it, exactly like stock vLLM. A request without a
+  (valid) layout therefore hashes exactly as stock vLLM does.
+
+Hashing is O(1) per block: the chain state (anchor, digest, segment cursor) is carried along
+with the request, not recomputed from block 0.
 """
 
 from __future__ import annotations
 
+import bisect
+import hmac
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.v1.core import kv_cache_utils
 
-from span_vllm.config import SpanConfig
+from span_vllm.contract import ANCHORED, ISOLATED, LAYOUT_KEY, ORDERED, SEGMENT_KINDS
 
-_PLUS_ROOT_SEED = "span-workflows/plus-root"
-_CROSS_SEED = "span-workflows/cross"
+_ROOT_SEED = "span-workflows/root"
+_ORDERED_SEED = "span-workflows/ordered"
+_DIGEST_SEED = "span-workflows/digest"
 
 
-def block_parent(
-    hash_fn: Callable[[Any], bytes],
-    config: SpanConfig,
-    first_token: int,
-    previous: Sequence[bytes],
-) -> bytes | None:
-    """The parent hash of a block given its first token and all earlier block hashes."""
-    if first_token == config.plus_token:
-        return kv_cache_utils.BlockHash(hash_fn(_PLUS_ROOT_SEED))
-    if first_token == config.cross_token:
-        return kv_cache_utils.BlockHash(hash_fn((_CROSS_SEED, tuple(previous))))
-    return previous[-1] if previous else None
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """A request's segments in block units: ``starts[i]`` is the first block of segment ``i``,
+    ``kinds[i]`` its kind, ``group_first[i]`` whether it opens its plus group."""
+
+    starts: tuple[int, ...]
+    kinds: tuple[str, ...]
+    group_first: tuple[bool, ...]
+
+    @classmethod
+    def from_segments(cls, segments: Sequence[Sequence[Any]], block_size: int) -> BlockLayout:
+        """Validate ``[[offset, kind], ...]``; raises ``ValueError`` if malformed."""
+        starts: list[int] = []
+        kinds: list[str] = []
+        group_first: list[bool] = []
+        previous_kind = ORDERED
+        for item in segments:
+            offset, kind = item
+            if (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0
+                    or offset % block_size or kind not in SEGMENT_KINDS):
+                raise ValueError(f"bad segment {item!r}")
+            block = offset // block_size
+            if starts and block <= starts[-1]:
+                raise ValueError("segments must start at increasing offsets")
+            starts.append(block)
+            kinds.append(kind)
+            # A span opens its group unless the segment before it (ending right here) is a
+            # span too; the prefix counts as ordered.
+            follows_span = len(kinds) > 1 and previous_kind != ORDERED
+            group_first.append(kind != ORDERED and not follows_span)
+            previous_kind = kind
+        return cls(tuple(starts), tuple(kinds), tuple(group_first))
+
+    def segment_of(self, block: int) -> int:
+        """Index of the segment holding ``block`` (-1 for the ordered prefix)."""
+        return bisect.bisect_right(self.starts, block) - 1
+
+    def computed_in_context(self, block: int) -> bool:
+        """Whether ``block``, if this request computes it, attends to more than its hash says:
+        it belongs to a span that does not open its group (anchored) or does not start the
+        prompt (isolated), so it would attend to sibling spans or to a prefix."""
+        i = self.segment_of(block)
+        if i < 0:
+            return False
+        kind = self.kinds[i]
+        if kind == ANCHORED:
+            return not self.group_first[i]
+        if kind == ISOLATED:
+            return self.starts[i] > 0
+        return False
+
+
+def request_layout(request: Any, block_size: int, key: str | None) -> BlockLayout | None:
+    """The validated layout ``request`` carries (cached on it), or ``None`` for plain requests
+    and for layouts without the right key."""
+    cached = getattr(request, "_span_layout", _UNSET)
+    if cached is not _UNSET:
+        return cached
+    layout = parse_layout(_extra_args(request), block_size, key)
+    try:
+        request._span_layout = layout
+    except AttributeError:  # pragma: no cover - a slotted request type
+        pass
+    return layout
+
+
+def parse_layout(extra_args: Any, block_size: int, key: str | None) -> BlockLayout | None:
+    """The layout in a request's ``extra_args`` if it is well formed and carries ``key``."""
+    if not key or not isinstance(extra_args, dict):
+        return None
+    raw = extra_args.get(LAYOUT_KEY)
+    if not isinstance(raw, dict):
+        return None
+    given = raw.get("key")
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), key.encode()):
+        return None
+    segments = raw.get("segments")
+    if not isinstance(segments, list) or not segments:
+        return None
+    try:
+        return BlockLayout.from_segments(segments, block_size)
+    except (TypeError, ValueError):
+        return None
+
+
+class _Unset:
+    pass
+
+
+_UNSET = _Unset()
+
+
+def _extra_args(request: Any) -> Any:
+    params = getattr(request, "sampling_params", None)
+    return getattr(params, "extra_args", None)
+
+
+@dataclass(slots=True)
+class SpanChain:
+    """Incremental hasher of one token sequence under a layout (``None`` = stock rules)."""
+
+    hash_fn: Callable[[Any], bytes]
+    layout: BlockLayout | None
+    salt: str | None = None
+    hashes: list[bytes] = field(default_factory=list)
+    _digest: bytes | None = None
+    _anchor: bytes | None = None
+    _next: int = 0
+
+    def parent(self, block: int) -> bytes | None:
+        """Parent hash of ``block`` (the next one to hash); updates the segment cursor."""
+        previous = self.hashes[-1] if self.hashes else None
+        layout = self.layout
+        if layout is None or self._next >= len(layout.starts) or layout.starts[self._next] != block:
+            return previous
+        i = self._next
+        self._next += 1
+        kind = layout.kinds[i]
+        if kind == ORDERED:
+            return kv_cache_utils.BlockHash(self.hash_fn((_ORDERED_SEED, self._digest)))
+        if layout.group_first[i]:
+            self._anchor = previous
+        if kind == ANCHORED and self._anchor is not None:
+            return self._anchor
+        return kv_cache_utils.BlockHash(self.hash_fn((_ROOT_SEED, self.salt)))
+
+    def extend(self, token_ids: Sequence[int], block_size: int,
+               extra_keys: Callable[[int, int], Any] | None = None) -> list[bytes]:
+        """Hash the full blocks of ``token_ids`` not hashed yet; return the new hashes."""
+        new: list[bytes] = []
+        block = len(self.hashes)
+        while (block + 1) * block_size <= len(token_ids):
+            begin, end = block * block_size, (block + 1) * block_size
+            parent = self.parent(block)
+            keys = extra_keys(begin, end) if extra_keys is not None else None
+            block_hash = kv_cache_utils.hash_block_tokens(
+                self.hash_fn, parent, token_ids[begin:end], keys)
+            self.hashes.append(block_hash)
+            if self.layout is not None:
+                self._digest = self.hash_fn((_DIGEST_SEED, self._digest, block_hash))
+            new.append(block_hash)
+            block += 1
+        return new
 
 
 def hash_blocks(
     token_ids: Sequence[int],
     block_size: int,
     hash_fn: Callable[[Any], bytes],
-    config: SpanConfig,
-    previous: Sequence[bytes] = (),
+    segments: Sequence[Sequence[Any]] = (),
+    *,
+    salt: str | None = None,
     extra_keys: Callable[[int, int], Any] | None = None,
 ) -> list[bytes]:
-    """Hashes of the full blocks of ``token_ids`` after the ``len(previous)`` already hashed."""
-    hashes = list(previous)
-    start = len(previous) * block_size
-    new: list[bytes] = []
-    while start + block_size <= len(token_ids):
-        end = start + block_size
-        block = token_ids[start:end]
-        parent = block_parent(hash_fn, config, block[0], hashes)
-        keys = extra_keys(start, end) if extra_keys is not None else None
-        block_hash = kv_cache_utils.hash_block_tokens(hash_fn, parent, block, keys)
-        hashes.append(block_hash)
-        new.append(block_hash)
-        start = end
-    return new
-
-
-def span_root(token_ids: Sequence[int], block_size: int, index: int,
-              config: SpanConfig) -> tuple[int, str]:
-    """The block that opens the segment holding block ``index``, and that segment's kind:
-    ``"plus"`` (a commutative span), ``"cross"`` (an ordered tail) or ``"prefix"``."""
-    for j in range(index, -1, -1):
-        first = token_ids[j * block_size]
-        if first == config.plus_token:
-            return j, "plus"
-        if first == config.cross_token:
-            return j, "cross"
-    return 0, "prefix"
-
-
-def isolated_span_block(token_ids: Sequence[int], block_size: int, index: int,
-                        config: SpanConfig) -> bool:
-    """Whether block ``index`` belongs to a plus span that does *not* start the sequence.
-
-    Such a block, when computed inside a request, attended to what precedes its span, so its KV
-    must not be registered under the span's position-free hash.
-    """
-    root, kind = span_root(token_ids, block_size, index, config)
-    return kind == "plus" and root > 0
+    """Hashes of the full blocks of ``token_ids`` under ``segments`` (none = stock rules)."""
+    layout = BlockLayout.from_segments(segments, block_size) if segments else None
+    return SpanChain(hash_fn, layout, salt).extend(token_ids, block_size, extra_keys)
 
 
 def make_request_block_hasher(
-    hash_block_size: int, caching_hash_fn: Callable[[Any], bytes], config: SpanConfig
+    hash_block_size: int, caching_hash_fn: Callable[[Any], bytes], key: str | None
 ) -> Callable[[Any], list[bytes]]:
-    """A drop-in for vLLM's ``get_request_block_hasher`` result, with the span rules."""
+    """A drop-in for vLLM's ``get_request_block_hasher`` result, with the span rules for
+    requests whose layout carries ``key``."""
 
     def request_block_hasher(request: Any) -> list[bytes]:
         start = len(request.block_hashes) * hash_block_size
         if start + hash_block_size > request.num_tokens:
             return []
+        chain: SpanChain | None = getattr(request, "_span_chain", None)
+        if chain is None or len(chain.hashes) != len(request.block_hashes):
+            chain = _replay(request, hash_block_size, caching_hash_fn, key)
+            try:
+                request._span_chain = chain
+            except AttributeError:  # pragma: no cover - a slotted request type
+                pass
 
         def extra_keys(begin: int, end: int) -> Any:
             keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, begin, end, 0)
             return keys
 
-        return hash_blocks(
-            request.all_token_ids, hash_block_size, caching_hash_fn, config,
-            request.block_hashes, extra_keys,
-        )
+        return chain.extend(request.all_token_ids, hash_block_size, extra_keys)
 
     return request_block_hasher
+
+
+def _replay(request: Any, block_size: int, hash_fn: Callable[[Any], bytes],
+            key: str | None) -> SpanChain:
+    """A chain positioned after the request's existing hashes (rebuilt from its tokens: only
+    when the request's hashes were produced elsewhere, e.g. on a fresh request: O(0))."""
+    layout = request_layout(request, block_size, key)
+    chain = SpanChain(hash_fn, layout, getattr(request, "cache_salt", None))
+    done = len(request.block_hashes)
+    if done:
+        def extra_keys(begin: int, end: int) -> Any:
+            keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, begin, end, 0)
+            return keys
+
+        chain.extend(list(request.all_token_ids)[: done * block_size], block_size, extra_keys)
+    return chain
+
+
+__all__ = ["BlockLayout", "SpanChain", "hash_blocks", "make_request_block_hasher",
+           "parse_layout", "request_layout"]

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from span_vllm import config as span_config
-from span_vllm.hashing import hash_blocks, make_request_block_hasher, span_root
+from span_vllm.contract import PROBE_CALL, STATS_CALL
+from span_vllm.hashing import hash_blocks, make_request_block_hasher, request_layout
 from span_vllm.positions import PositionTracker
 from span_vllm.stats import STATS
 
@@ -93,11 +94,11 @@ def apply() -> None:
                 f"span_vllm supports vLLM {SUPPORTED_VLLM}; the installed vLLM differs:\n  "
                 + "\n  ".join(problems)
             )
-        cfg = span_config.load()
-        _patch_hashing(cfg)
-        _patch_scheduler(cfg)
+        key = span_config.layout_key()
+        _patch_hashing(key)
+        _patch_scheduler(key)
         _patch_worker()
-        _patch_engine_core(cfg)
+        _patch_engine_core()
         _applied = True
 
 
@@ -112,20 +113,20 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
     setattr(owner, name, wrapped)
 
 
-def _patch_hashing(cfg: span_config.SpanConfig) -> None:
+def _patch_hashing(key: str) -> None:
     from vllm.v1.engine import core
 
     def make(original: Callable) -> Callable:
         def get_request_block_hasher(hash_block_size: int, caching_hash_fn: Callable) -> Callable:
             _hashing.update(hash_fn=caching_hash_fn, block_size=hash_block_size)
-            return make_request_block_hasher(hash_block_size, caching_hash_fn, cfg)
+            return make_request_block_hasher(hash_block_size, caching_hash_fn, key)
 
         return get_request_block_hasher
 
     _wrap(core, "get_request_block_hasher", make)
 
 
-def _patch_scheduler(cfg: span_config.SpanConfig) -> None:
+def _patch_scheduler(key: str) -> None:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -148,20 +149,15 @@ def _patch_scheduler(cfg: span_config.SpanConfig) -> None:
             self: Any, request: Any, blocks: list, num_cached_blocks: int, num_full_blocks: int,
             block_size: int, kv_cache_group_id: int, block_mask: list[bool] | None = None,
         ) -> None:
-            tokens = request.all_token_ids
-            mask = list(block_mask) if block_mask is not None else None
-            keep: list[bool] = []
-            for offset, index in enumerate(range(num_cached_blocks, num_full_blocks)):
-                root, kind = span_root(tokens, block_size, index, cfg)
-                ok = not (kind == "plus" and root > 0)
-                if kind == "plus":
-                    STATS.miss_blocks += 1
-                if not ok:
-                    STATS.unregistered_blocks += 1
-                keep.append(ok and (mask is None or mask[offset]))
+            layout = request_layout(request, block_size, key)
+            if layout is None or num_cached_blocks >= num_full_blocks:
+                return original(self, request, blocks, num_cached_blocks, num_full_blocks,
+                                block_size, kv_cache_group_id, block_mask)
+            keep = register_mask(request, layout, num_cached_blocks, num_full_blocks,
+                                 block_mask)
             return original(
                 self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
-                kv_cache_group_id, None if all(keep) and mask is None else keep,
+                kv_cache_group_id, None if all(keep) and block_mask is None else keep,
             )
 
         return cache_full_blocks
@@ -178,6 +174,32 @@ def _patch_scheduler(cfg: span_config.SpanConfig) -> None:
     _wrap(KVCacheManager, "allocate_slots", make_allocate)
     _wrap(BlockPool, "cache_full_blocks", make_cache)
     _wrap(Scheduler, "schedule", make_schedule)
+
+
+def register_mask(request: Any, layout: Any, num_cached_blocks: int, num_full_blocks: int,
+                  block_mask: list[bool] | None) -> list[bool]:
+    """Which of a request's newly computed full blocks may enter the prefix cache.
+
+    A span block computed inside a larger request attended to more than its hash says (its
+    sibling spans, or a prefix for an isolated span), so it is kept out; and so is *every later
+    block of the request*, which attended to it in turn. The first such block is remembered on
+    the request (``_span_tainted_from``), so later calls keep refusing.
+    """
+    tainted = getattr(request, "_span_tainted_from", None)
+    keep: list[bool] = []
+    for offset, index in enumerate(range(num_cached_blocks, num_full_blocks)):
+        segment = layout.segment_of(index)
+        is_span = segment >= 0 and layout.kinds[segment] != "ordered"
+        if is_span:
+            STATS.miss_blocks += 1
+        if tainted is None and layout.computed_in_context(index):
+            tainted = index
+            request._span_tainted_from = index
+        ok = tainted is None or index < tainted
+        if not ok:
+            STATS.unregistered_blocks += 1
+        keep.append(ok and (block_mask is None or block_mask[offset]))
+    return keep
 
 
 def _tracker(manager: Any) -> PositionTracker:
@@ -212,25 +234,32 @@ def _patch_worker() -> None:
     _wrap(GPUModelRunner, "_update_states", make)
 
 
-def probe(engine_core: Any, sequences: list[list[int]]) -> list[bool]:
-    """For each token sequence (hashed as if it started a request), whether all its full
-    blocks are in the prefix cache right now."""
+def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list[bool]:
+    """For each prompt (``[token_ids, segments]``, hashed as a request with that layout and
+    ``cache_salt``), whether all its full blocks are in the prefix cache right now."""
     hash_fn = _hashing.get("hash_fn")
     if hash_fn is None:
-        return [False] * len(sequences)
-    cfg = span_config.load()
+        return [False] * len(prompts)
     pool = engine_core.scheduler.kv_cache_manager.block_pool
     answers = []
-    for tokens in sequences:
-        hashes = hash_blocks(tokens, _hashing["block_size"], hash_fn, cfg)
+    for tokens, segments in prompts:
+        hashes = hash_blocks(tokens, _hashing["block_size"], hash_fn, segments, salt=salt,
+                             extra_keys=_salt_keys(salt))
         answers.append(bool(hashes) and all(pool.get_cached_block(h, [0]) for h in hashes))
     return answers
 
 
-def _patch_engine_core(cfg: span_config.SpanConfig) -> None:
+def _salt_keys(salt: str | None) -> Callable[[int, int], Any] | None:
+    """vLLM's extra keys of a salted request: the salt, on block 0 only."""
+    if not salt:
+        return None
+    return lambda begin, end: (("cache_salt", salt),) if begin == 0 else None
+
+
+def _patch_engine_core() -> None:
     from vllm.v1.engine.core import EngineCore
 
-    del cfg
-    if not hasattr(EngineCore, "span_probe"):
-        EngineCore.span_probe = lambda self, sequences: probe(self, sequences)
-        EngineCore.span_stats = lambda self: STATS.snapshot()
+    if not hasattr(EngineCore, PROBE_CALL):
+        setattr(EngineCore, PROBE_CALL,
+                lambda self, prompts, salt=None: probe(self, prompts, salt))
+        setattr(EngineCore, STATS_CALL, lambda self: STATS.snapshot())

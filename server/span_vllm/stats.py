@@ -7,13 +7,15 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class SpanStats:
-    """Totals since start: blocks hit, blocks computed, tokens repositioned, blocks copied."""
+    """Totals since start; names and meanings in :data:`span_vllm.contract.STAT_HELP`."""
 
     hit_blocks: int = 0
     miss_blocks: int = 0
     repositioned_tokens: int = 0
     duplicated_blocks: int = 0
     unregistered_blocks: int = 0
+    deferred_hits: int = 0
+    refused_hits: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """A plain dict copy of the counters."""

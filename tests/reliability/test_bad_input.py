@@ -24,10 +24,8 @@ from span_workflows.compile import Compiler
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Generate, Plus, User
 from span_workflows.json_ir import from_json
-from span_workflows.markers import choose_markers
 from span_workflows.optimize import optimize
 from span_workflows.plan import Output, Planner, drive
-from span_workflows.render import ChatRenderer
 from span_workflows.validate import validate
 
 MAX_MODEL_LEN = 2048
@@ -98,8 +96,7 @@ HOSTILE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def planner(tokenizer) -> Planner:
-    return Planner(Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), 32),
-                   MAX_MODEL_LEN)
+    return Planner(Compiler.for_tokenizer(tokenizer, 32), MAX_MODEL_LEN)
 
 
 def _library(body: bytes, planner: Planner) -> None:
@@ -107,7 +104,8 @@ def _library(body: bytes, planner: Planner) -> None:
     compile (nested G's answered by a stub)."""
     node = from_json(body)
     plan = planner.plan_query(planner.normalize(node))
-    drive([plan], lambda reqs: [_fake_output(r) for r in reqs], lambda seqs: [False] * len(seqs))
+    drive([plan], lambda reqs: [_fake_output(r) for r in reqs],
+          lambda step: [False] * len(step.sequences))
 
 
 def _fake_output(req: Any) -> Output:
@@ -148,8 +146,8 @@ def test_hostile_text_is_accepted_as_text(text: str, planner) -> None:
         {"fragment": text}, {"user": text}]}, {"user": text}]}, "max_tokens": 4}})
     node = from_json(body)
     tq = planner.compiler.compile_generate(optimize(node), max_model_len=MAX_MODEL_LEN)
-    m = planner.compiler.markers
-    assert [i for i, t in enumerate(tq.token_ids) if t in (m.plus, m.cross)] == [
+    assert planner.compiler.tokens.marker not in tq.token_ids
+    assert [o for o, _ in tq.segments] == [
         s.offset for s in tq.spans if s.kind in ("plus", "cross")]
     decoded = planner.compiler.renderer.tokenizer.decode(tq.token_ids)
     assert decoded.count(text) >= 4
@@ -193,7 +191,7 @@ class _StubEngine:
         self.requests = 0
         self.engine_core = SimpleNamespace(call_utility_async=self._utility)
 
-    async def _utility(self, name: str, sequences: list) -> list[bool]:
+    async def _utility(self, name: str, sequences: list, salt: str | None = None) -> list[bool]:
         assert name == "span_probe"
         return [False] * len(sequences)
 
@@ -211,8 +209,7 @@ def app(tokenizer):
     from span_vllm.api import SpanQueryService, install
 
     application = FastAPI()
-    service = SpanQueryService(_StubEngine(), tokenizer, choose_markers(tokenizer), 32,
-                               MAX_MODEL_LEN)
+    service = SpanQueryService(_StubEngine(), tokenizer, 32, MAX_MODEL_LEN, "stub-key")
     install(application, service, max_body=256 * 1024)
 
     @application.get("/health")

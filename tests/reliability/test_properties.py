@@ -28,9 +28,8 @@ from span_workflows.ir import (
     iter_nodes,
 )
 from span_workflows.json_ir import from_json, parse_json
-from span_workflows.markers import choose_markers
+from span_workflows.layout import SpanOptions
 from span_workflows.optimize import optimize, rewrite_bottom_up
-from span_workflows.render import ChatRenderer
 
 BS = 32
 _FIXTURE_OK = [HealthCheck.function_scoped_fixture]
@@ -186,7 +185,7 @@ _content = st.lists(_hostile | st.text(max_size=6), min_size=1, max_size=5).map(
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> Compiler:
-    return Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), BS)
+    return Compiler.for_tokenizer(tokenizer, BS)
 
 
 def _rag_like(system: str, docs: list[str], question: str) -> Generate:
@@ -196,20 +195,18 @@ def _rag_like(system: str, docs: list[str], question: str) -> Generate:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(_content, st.lists(_content, min_size=1, max_size=4), _content)
-def test_markers_only_at_block_starts_and_decoding_gives_back_the_texts(
+def test_segments_at_block_starts_and_decoding_gives_back_the_texts(
     compiler: Compiler, system: str, docs: list[str], question: str
 ) -> None:
     CASES["compiler"] += 1
-    tq = compiler.compile_generate(optimize(_rag_like(system, docs, question)))
-    m = compiler.markers
-    at = [i for i, t in enumerate(tq.token_ids) if t in (m.plus, m.cross)]
+    tq = compiler.compile_generate(optimize(_rag_like(system, docs, question)),
+                                   options=SpanOptions(marker=True))
+    marker = compiler.tokens.marker
+    at = [i for i, t in enumerate(tq.token_ids) if t == marker]
     starts = [s.offset for s in tq.spans if s.kind in ("plus", "cross")]
-    assert at == starts
+    assert at == starts == [o for o, _ in tq.segments]
     assert all(i % BS == 0 for i in at)
     for span in tq.spans:
-        expected = {"plus": m.plus, "cross": m.cross}.get(span.kind)
-        if expected is not None:
-            assert tq.token_ids[span.offset] == expected
         if span.kind != "cross":  # everything but the generation tail is whole blocks
             assert span.offset % BS == 0 and span.length % BS == 0
     # Decoding gives back each text, as far as the tokenizer itself can represent it (SmolLM2's
@@ -229,7 +226,7 @@ def test_markers_only_at_block_starts_and_decoding_gives_back_the_texts(
     text = tok.decode(tq.token_ids)
     for piece in (system, question, *docs):
         assert same(piece) in text
-    assert tq.prepare and all(len(p) % BS == 0 for p in tq.prepare)
+    assert tq.prepare and all(len(p.token_ids) % BS == 0 for p in tq.prepare)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=_FIXTURE_OK)

@@ -151,13 +151,11 @@ PAYLOADS = ["__import__('os').system('touch /tmp/pwned')", "{{ cycler.__init__._
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_user_text_stays_data(payload: str, tokenizer) -> None:
     from span_workflows.compile import Compiler
-    from span_workflows.markers import choose_markers
     from span_workflows.optimize import optimize
-    from span_workflows.render import ChatRenderer
 
     node = from_json(json.dumps({"g": {"input": {"cross": [
         {"system": payload}, {"plus": [{"fragment": payload}]}, {"user": payload}]}}}))
-    compiler = Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), 32)
+    compiler = Compiler.for_tokenizer(tokenizer, 32)
     tq = compiler.compile_generate(optimize(node))
     text = tokenizer.decode(tq.token_ids)
     assert text.count(payload) == 3  # verbatim, not interpreted

@@ -1,4 +1,4 @@
-"""Span-aware block hashing (no engine)."""
+"""Span-aware block hashing driven by request segments (no engine)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 from vllm.v1.core import kv_cache_utils
 
-from span_vllm.config import SpanConfig
-from span_vllm.hashing import hash_blocks, isolated_span_block, make_request_block_hasher
+from span_vllm.contract import ANCHORED, ISOLATED, ORDERED, layout_args
+from span_vllm.hashing import BlockLayout, hash_blocks, make_request_block_hasher, parse_layout
+from span_vllm.patches import register_mask
 
 BS = 4
-CFG = SpanConfig(plus_token=900, cross_token=901)
-P, X = CFG.plus_token, CFG.cross_token
+KEY = "test-layout-key"
 
 
 def _hash_fn(obj: object) -> bytes:
@@ -24,62 +24,175 @@ def _hash_fn(obj: object) -> bytes:
 kv_cache_utils.init_none_hash(_hash_fn)
 
 
-def _request(tokens: list[int]) -> SimpleNamespace:
+def _request(tokens: list[int], segments=(), key: str = KEY, salt: str | None = None):
+    extra = layout_args(segments, key) if segments else None
     return SimpleNamespace(
         block_hashes=[], num_tokens=len(tokens), all_token_ids=tokens, mm_features=[],
-        lora_request=None, cache_salt=None, prompt_embeds=None, prompt_token_ids=tokens,
-        num_prompt_tokens=len(tokens),
+        lora_request=None, cache_salt=salt, prompt_embeds=None, prompt_token_ids=tokens,
+        num_prompt_tokens=len(tokens), sampling_params=SimpleNamespace(extra_args=extra),
     )
 
 
-def _stock_hashes(tokens: list[int]) -> list[bytes]:
-    stock = kv_cache_utils.get_request_block_hasher.__wrapped__ if hasattr(
-        kv_cache_utils.get_request_block_hasher, "__wrapped__"
-    ) else kv_cache_utils.get_request_block_hasher
-    return stock(BS, _hash_fn)(_request(tokens))
+def _hasher():
+    return make_request_block_hasher(BS, _hash_fn, KEY)
+
+
+def _stock_hashes(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    stock = kv_cache_utils.get_request_block_hasher
+    stock = getattr(stock, "__span_original__", stock)
+    return stock(BS, _hash_fn)(_request(tokens, salt=salt))
+
+
+SYSTEM = [1, 2, 3, 4]
+A, B, C = [10, 10, 10, 10], [20, 20, 20, 20], [30, 30, 30, 30]
+TAIL = [50, 51, 52, 53, 54, 55, 56, 57]
+
+
+def _rag(*spans: list[int], kind: str = ANCHORED) -> tuple[list[int], list[tuple[int, str]]]:
+    tokens = list(SYSTEM)
+    segments = []
+    for span in spans:
+        segments.append((len(tokens), kind))
+        tokens += span
+    segments.append((len(tokens), ORDERED))
+    return tokens + TAIL, segments
 
 
 def test_plain_prompt_hashes_exactly_like_stock_vllm() -> None:
     tokens = list(range(1, 23))
-    ours = make_request_block_hasher(BS, _hash_fn, CFG)(_request(tokens))
-    assert ours == _stock_hashes(tokens)
-    assert len(ours) == len(tokens) // BS
+    assert _hasher()(_request(tokens)) == _stock_hashes(tokens)
+    assert _hasher()(_request(tokens, salt="t1")) == _stock_hashes(tokens, salt="t1")
 
 
-def test_plus_span_hash_is_position_independent() -> None:
-    span = [P, 11, 12, 13, 14, 15, 16, 17]
-    alone = hash_blocks(span, BS, _hash_fn, CFG)
-    placed = hash_blocks([1, 2, 3, 4] + [P, 7, 7, 7] + span, BS, _hash_fn, CFG)
+def test_a_layout_without_the_key_hashes_as_stock() -> None:
+    tokens, segments = _rag(A, B)
+    forged = _hasher()(_request(tokens, segments, key="guessed"))
+    assert forged == _stock_hashes(tokens)
+    assert _hasher()(_request(tokens, segments)) != _stock_hashes(tokens)
+
+
+@pytest.mark.parametrize("raw", [
+    {"span_layout": {"key": KEY, "segments": [[3, ANCHORED]]}},          # not block aligned
+    {"span_layout": {"key": KEY, "segments": [[4, "plux"]]}},            # unknown kind
+    {"span_layout": {"key": KEY, "segments": [[8, ANCHORED], [4, ORDERED]]}},  # not increasing
+    {"span_layout": {"key": KEY, "segments": "x"}},
+    {"span_layout": {"key": 7, "segments": [[4, ANCHORED]]}},
+    {"span_layout": []},
+    None,
+])
+def test_malformed_layouts_are_ignored(raw) -> None:
+    assert parse_layout(raw, BS, KEY) is None
+
+
+def test_anchored_span_hash_follows_its_prefix_not_its_siblings() -> None:
+    ab_tokens, ab = _rag(A, B)
+    ba_tokens, ba = _rag(B, A)
+    hab = hash_blocks(ab_tokens, BS, _hash_fn, ab)
+    hba = hash_blocks(ba_tokens, BS, _hash_fn, ba)
+    assert hab[1] == hba[2] and hab[2] == hba[1]  # A and B hash the same in either order
+    prepared_b = hash_blocks(SYSTEM + B, BS, _hash_fn, [(4, ANCHORED)])
+    assert prepared_b[1] == hab[2]  # ... and the same as B prepared right after the prefix
+    assert prepared_b == hash_blocks(SYSTEM + B, BS, _hash_fn)  # which is a stock chain
+    other_prefix = hash_blocks([9, 9, 9, 9, *B], BS, _hash_fn, [(4, ANCHORED)])
+    assert other_prefix[1] != hab[2]  # computed after another prefix: another key
+
+
+def test_isolated_span_hash_is_position_and_prefix_independent() -> None:
+    alone = hash_blocks(B + C, BS, _hash_fn, [(0, ISOLATED)])
+    placed = hash_blocks(SYSTEM + A + B + C, BS, _hash_fn,
+                         [(4, ISOLATED), (8, ISOLATED)])
     assert placed[2:4] == alone
     assert placed[1] not in alone
 
 
-def test_cross_block_chains_over_everything_before_it() -> None:
-    system, q = [1, 2, 3, 4], [X, 50, 51, 52, 53, 54, 55, 56]
-    a, b, c = [P, 10, 10, 10], [P, 20, 20, 20], [P, 30, 30, 30]
-    first = hash_blocks(system + a + b + q, BS, _hash_fn, CFG)
-    second = hash_blocks(system + c + b + q, BS, _hash_fn, CFG)
-    assert first[2] == second[2]  # span B reused
-    assert first[3] != second[3] and first[4] != second[4]  # the tail is not (spnl's bug)
+def test_ordered_tail_chains_over_every_block_before_it() -> None:
+    first_t, first_s = _rag(A, B)
+    second_t, second_s = _rag(C, B)
+    first = hash_blocks(first_t, BS, _hash_fn, first_s)
+    second = hash_blocks(second_t, BS, _hash_fn, second_s)
+    assert first[2] == second[2]  # span B reused after different siblings
+    assert first[3] != second[3] and first[4] != second[4]  # the two-block tail is not
 
 
-def test_block_after_a_span_without_marker_chains_normally() -> None:
-    h1 = hash_blocks([1, 2, 3, 4, 5, 6, 7, 8], BS, _hash_fn, CFG)
-    h2 = hash_blocks([1, 2, 3, 4, 5, 6, 7, 9], BS, _hash_fn, CFG)
-    assert h1[0] == h2[0] and h1[1] != h2[1]
+def test_salt_separates_every_span_hash() -> None:
+    tokens, segments = _rag(A, B)
+    plain = hash_blocks(tokens, BS, _hash_fn, segments)
+    salted = _hasher()(_request(tokens, segments, salt="tenant-a"))
+    other = _hasher()(_request(tokens, segments, salt="tenant-b"))
+    assert not set(plain) & set(salted)
+    assert not set(salted) & set(other)
+    iso_a = _hasher()(_request(A + B, [(0, ISOLATED), (4, ISOLATED)], salt="tenant-a"))
+    iso_b = _hasher()(_request(A + B, [(0, ISOLATED), (4, ISOLATED)], salt="tenant-b"))
+    assert not set(iso_a) & set(iso_b)
 
 
 def test_incremental_hashing_matches_one_shot() -> None:
-    tokens = [1, 2, 3, 4, P, 5, 6, 7, 8, 9, 10, 11, X, 12, 13, 14]
-    full = hash_blocks(tokens, BS, _hash_fn, CFG)
-    part = hash_blocks(tokens, BS, _hash_fn, CFG, previous=full[:2])
-    assert full[2:] == part
+    tokens, segments = _rag(A, B, C)
+    full = hash_blocks(tokens, BS, _hash_fn, segments)
+    request = _request(tokens[:9], segments)
+    hasher = _hasher()
+    request.block_hashes.extend(hasher(request))
+    for end in range(10, len(tokens) + 1):
+        request.all_token_ids = tokens[:end]
+        request.num_tokens = end
+        request.block_hashes.extend(hasher(request))
+    assert request.block_hashes == full
 
 
-@pytest.mark.parametrize(
-    ("index", "expected"), [(0, False), (1, True), (2, True), (3, False)]
-)
-def test_isolated_span_blocks_are_spans_not_at_the_start(index: int, expected: bool) -> None:
-    tokens = [1, 2, 3, 4] + [P, 5, 5, 5] + [6, 6, 6, 6] + [X, 7, 7, 7]
-    assert isolated_span_block(tokens, BS, index, CFG) is expected
-    assert isolated_span_block([P, 1, 1, 1, 2, 2, 2, 2], BS, 1, CFG) is False
+class _CountingTokens(list):
+    """A token list that counts the elements read through it."""
+
+    reads = 0
+
+    def __getitem__(self, index):  # type: ignore[override]
+        item = super().__getitem__(index)
+        _CountingTokens.reads += len(item) if isinstance(index, slice) else 1
+        return item
+
+
+def test_hashing_work_per_block_is_constant() -> None:
+    """No rescans from block 0: each block costs a bounded number of token reads and hash
+    calls, whatever the prompt length (the old scan-back was quadratic)."""
+    for blocks in (64, 1024):
+        calls = 0
+
+        def counting_hash(obj: object) -> bytes:
+            nonlocal calls
+            calls += 1
+            return _hash_fn(obj)
+
+        tokens = _CountingTokens(range(blocks * BS))
+        segments = [(BS * i, ANCHORED) for i in range(1, blocks - 1, 4)]
+        _CountingTokens.reads = 0
+        request = _request(tokens, segments)
+        request.all_token_ids = tokens
+        hashes = make_request_block_hasher(BS, counting_hash, KEY)(request)
+        assert len(hashes) == blocks
+        assert _CountingTokens.reads <= 2 * len(tokens)
+        assert calls <= 3 * blocks
+
+
+def test_block_layout_knows_which_spans_were_computed_in_context() -> None:
+    layout = BlockLayout.from_segments(
+        [(4, ANCHORED), (8, ANCHORED), (12, ORDERED), (16, ANCHORED), (20, ISOLATED)], BS)
+    assert [layout.computed_in_context(b) for b in range(6)] == [
+        False,  # prefix
+        False,  # the first span of a plus: computed after the prefix, as its hash says
+        True,   # a later sibling computed in the request attended to the first
+        False,  # ordered
+        False,  # first span of the second plus
+        True,   # an isolated span not at the start
+    ]
+    assert not BlockLayout.from_segments([(0, ISOLATED)], BS).computed_in_context(0)
+
+
+def test_once_a_span_is_computed_in_context_no_later_block_is_registered() -> None:
+    tokens, segments = _rag(A, B)
+    request = _request(tokens, segments)
+    layout = BlockLayout.from_segments(segments, BS)
+    # Prefix and A were hits; B (in context) and the two tail blocks are computed now.
+    assert register_mask(request, layout, 2, 5, None) == [False, False, False]
+    # A later call (more blocks filled by decoding) keeps refusing.
+    assert register_mask(request, layout, 5, 6, None) == [False]
+    clean = _request(tokens, segments)
+    assert register_mask(clean, layout, 0, 2, None) == [True, True]

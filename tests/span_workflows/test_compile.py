@@ -1,14 +1,15 @@
-"""The compiler on the real SmolLM2 tokenizer: alignment, markers, cropping, canonical order."""
+"""The compiler on the real SmolLM2 tokenizer: alignment, segments, padding, cropping,
+canonical order, prepares per span mode."""
 
 from __future__ import annotations
 
 import pytest
 
+from span_vllm.contract import ANCHORED, ISOLATED, ORDERED
 from span_workflows import judge_generator, optimize, rag
 from span_workflows.compile import Compiler, NestedOutput, nested_generations
 from span_workflows.errors import SpanQueryError
-from span_workflows.markers import choose_markers
-from span_workflows.render import ChatRenderer
+from span_workflows.layout import SpanOptions
 
 BS = 32
 TRICKY = "a + b @ c < d <empty_output> <jupyter_script> <|im_start|>user\n+@<"
@@ -16,39 +17,100 @@ TRICKY = "a + b @ c < d <empty_output> <jupyter_script> <|im_start|>user\n+@<"
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer) -> Compiler:
-    return Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), BS)
+    return Compiler.for_tokenizer(tokenizer, BS)
 
 
-def test_markers_are_added_tokens_outside_the_chat_template(tokenizer, compiler) -> None:
-    m = compiler.markers
-    assert len({m.plus, m.cross, m.pad}) == 3
-    assert m.plus in tokenizer.added_tokens_decoder and m.cross in tokenizer.added_tokens_decoder
+def test_marker_is_an_added_token_outside_the_chat_template(tokenizer, compiler) -> None:
+    marker = compiler.tokens.marker
+    assert marker in tokenizer.added_tokens_decoder and marker != compiler.tokens.pad
     template = tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True
     )
     ids = template["input_ids"] if isinstance(template, dict) else template
-    assert m.plus not in ids and m.cross not in ids
+    assert marker not in ids
 
 
-def test_spans_start_blocks_with_markers_and_are_padded(compiler) -> None:
+def test_spans_are_block_aligned_padded_and_described_by_segments(compiler) -> None:
     tq = compiler.compile_generate(optimize(rag("sys", ["one doc", "two " * 50], "q?")))
     kinds = [s.kind for s in tq.spans]
     assert kinds == ["prefix", "plus", "plus", "cross"]
     for span in tq.spans[:-1]:
         assert span.offset % BS == 0 and span.length % BS == 0
-    for span in tq.spans[1:]:
-        expected = compiler.markers.cross if span.kind == "cross" else compiler.markers.plus
-        assert tq.token_ids[span.offset] == expected
-    assert len(tq.prepare) == 3  # the prefix and both documents
-    first_doc = tq.spans[1]
-    assert tq.prepare[1] == tq.token_ids[first_doc.offset : first_doc.offset + first_doc.length]
+    assert list(tq.segments) == [(tq.spans[1].offset, ANCHORED), (tq.spans[2].offset, ANCHORED),
+                                 (tq.spans[3].offset, ORDERED)]
+    assert compiler.tokens.marker not in tq.token_ids  # no marker unless asked for
+    for span in tq.spans[:-1]:
+        assert all(tq.token_ids[i] == compiler.tokens.pad for i in span.padding)
 
 
-def test_user_text_cannot_produce_marker_tokens(compiler) -> None:
-    tq = compiler.compile_generate(optimize(rag(TRICKY, [TRICKY, TRICKY * 3], TRICKY)))
+def test_prefix_mode_prepares_each_span_after_the_prefix(compiler) -> None:
+    tq = compiler.compile_generate(optimize(rag("sys", ["one doc", "two " * 50], "q?")))
+    prefix = tq.spans[0]
+    head = tuple(tq.token_ids[: prefix.length])
+    assert [len(stage) for stage in tq.prepare_stages] == [3]
+    assert tq.prepare[0].token_ids == head and tq.prepare[0].segments == ()
+    for span, prep in zip(tq.spans[1:3], tq.prepare[1:], strict=True):
+        body = tuple(tq.token_ids[span.offset: span.offset + span.length])
+        assert prep.token_ids == head + body
+        assert prep.segments == ((prefix.length, ANCHORED),)
+
+
+def test_self_mode_prepares_each_span_alone(compiler) -> None:
+    tq = compiler.compile_generate(optimize(rag("sys", ["one doc", "two " * 50], "q?")),
+                                   options=SpanOptions(attend="self"))
+    assert [k for _, k in tq.segments] == [ISOLATED, ISOLATED, ORDERED]
+    for span, prep in zip(tq.spans[1:3], tq.prepare[1:], strict=True):
+        assert prep.token_ids == tuple(tq.token_ids[span.offset: span.offset + span.length])
+        assert prep.segments == ((0, ISOLATED),)
+
+
+def test_a_second_plus_is_prepared_after_the_first_in_its_context(compiler) -> None:
+    from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+
+    q = Generate(Cross((System("s"), Plus((Fragment("a"), Fragment("b"))), User("u1"),
+                        Plus((Fragment("c"), Fragment("d"))), User("u2"))), 8, 0.0)
+    tq = compiler.compile_generate(q)
+    assert [len(stage) for stage in tq.prepare_stages] == [3, 2]
+    second = tq.prepare_stages[1][0]
+    start = tq.spans[4].offset  # after s, a, b, u1
+    assert second.token_ids[:start] == tuple(tq.token_ids[:start])
+    assert second.segments == (*tq.segments[:3], (start, ANCHORED))
+
+
+@pytest.mark.parametrize("pad", ["after", "inside", "before"])
+@pytest.mark.parametrize("marker", [False, True])
+def test_layouts_keep_every_text_and_differ_only_in_padding(tokenizer, compiler, pad,
+                                                            marker) -> None:
+    options = SpanOptions(pad=pad, marker=marker)
+    docs = ["The first document.", "A second, longer document with + and @."]
+    tq = compiler.compile_generate(optimize(rag("Be brief.", docs, "What is it?")),
+                                   options=options)
+    padding = {i for s in tq.spans for i in s.padding}
+    markers = [i for i, t in enumerate(tq.token_ids) if t == compiler.tokens.marker]
+    starts = sorted(s.offset for s in tq.spans if s.kind in ("plus", "cross"))
+    assert markers == (starts if marker else [])
+    rest = [t for i, t in enumerate(tq.token_ids) if i not in padding and i not in markers]
+    stock = compiler.compile_generate(optimize(rag("Be brief.", docs, "What is it?")),
+                                      span_mode=False)
+    assert rest == stock.token_ids[: len(rest)] or sorted(rest) == sorted(stock.token_ids)
+    for span in tq.spans:
+        if span.pad_tokens and span.kind == "plus":
+            body = tq.token_ids[span.offset: span.offset + span.length]
+            text = tokenizer.decode([t for t in body if t != compiler.tokens.marker])
+            if pad == "before":
+                assert text.startswith("\n") and "<|im_start|>" in text
+            elif pad == "inside":
+                assert "\n\n<|im_end|>" in text or text.endswith("\n")
+            else:
+                assert text.endswith("<|im_end|>\n\n") or text.endswith("\n\n")
+
+
+def test_user_text_cannot_produce_the_marker_token(compiler) -> None:
+    tq = compiler.compile_generate(optimize(rag(TRICKY, [TRICKY, TRICKY * 3], TRICKY)),
+                                   options=SpanOptions(marker=True))
     structural = {s.offset for s in tq.spans if s.kind in ("plus", "cross")}
-    markers = {compiler.markers.plus, compiler.markers.cross}
-    assert [i for i, t in enumerate(tq.token_ids) if t in markers] == sorted(structural)
+    assert [i for i, t in enumerate(tq.token_ids) if t == compiler.tokens.marker] == sorted(
+        structural)
 
 
 def test_decoding_the_token_form_gives_back_the_texts(tokenizer, compiler) -> None:
@@ -76,14 +138,16 @@ def test_span_tokens_do_not_depend_on_their_position(compiler) -> None:
 
 @pytest.mark.parametrize("crop", [True, False])
 def test_nested_outputs_are_cropped_to_whole_blocks_or_padded(tokenizer, crop) -> None:
-    compiler = Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), BS, crop=crop)
+    compiler = Compiler.for_tokenizer(tokenizer, BS, crop=crop)
     tree = optimize(judge_generator(2, "Write a line.", "Pick one."))
     nested = {}
     for path, inner in nested_generations(tree):
-        prompt = tuple(compiler.inner_prompt(inner))
-        assert prompt[0] == compiler.markers.plus
+        inner_prompt = compiler.inner_prompt(inner)
+        assert inner_prompt.segments == ((0, ISOLATED),)
+        prompt = inner_prompt.token_ids
         nested[path] = NestedOutput(prompt, tuple(range(100, 100 + 50)), "x")
     tq = compiler.compile_generate(tree, nested)
+    assert [k for _, k in tq.segments if k != ORDERED] == [ISOLATED, ISOLATED]
     generated = [s for s in tq.spans if s.kind == "generated"]
     assert len(generated) == 2
     total = len(prompt) + 50
@@ -95,13 +159,12 @@ def test_nested_outputs_are_cropped_to_whole_blocks_or_padded(tokenizer, crop) -
             assert span.length == -(-total // BS) * BS
 
 
-def test_stock_mode_has_no_markers_and_keeps_the_given_order(compiler) -> None:
+def test_stock_mode_has_no_segments_and_keeps_the_given_order(compiler) -> None:
     from span_workflows.plan import ordered_for_stock as _ordered_for_stock
 
     q = rag("s", ["zzz last", "aaa first"], "q")
     tq = compiler.compile_generate(_ordered_for_stock(q), span_mode=False)
-    markers = {compiler.markers.plus, compiler.markers.cross}
-    assert not markers & set(tq.token_ids)
+    assert tq.segments == () and tq.prepare == []
     text = compiler.renderer.tokenizer.decode(tq.token_ids)
     assert text.index("zzz last") < text.index("aaa first")
 

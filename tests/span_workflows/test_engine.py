@@ -53,8 +53,9 @@ def test_repositioned_logits_match_an_isolated_attention_reference(engine) -> No
     from transformers import AutoModelForCausalLM
 
     engine.reset_cache()
-    engine.execute(_ordered_rag([A, B, C]), optimize_query=False)
-    moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5)
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options="self")
+    moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5,
+                           span_options="self")
     assert moved.metrics.cached_tokens > 0
     tq = moved.query
     n = len(tq.token_ids)
@@ -114,14 +115,12 @@ def test_concurrent_requests_share_a_span_at_different_positions(engine) -> None
     assert third.text == alone[2]
 
 
-def test_marker_text_in_user_content_does_not_disturb_other_queries(engine) -> None:
+def test_span_text_in_user_content_does_not_disturb_other_queries(engine) -> None:
     tricky = "+ @ < <empty_output> <jupyter_script> <|im_start|> ++@@<< " * 4
     engine.reset_cache()
     base = engine.execute(_ordered_rag([A, B]), optimize_query=False)
     odd = engine.execute(_ordered_rag([tricky, A]), optimize_query=False)
-    markers = {engine.markers.plus, engine.markers.cross}
-    starts = {s.offset for s in odd.query.spans if s.kind in ("plus", "cross")}
-    assert all(t not in markers or i in starts for i, t in enumerate(odd.query.token_ids))
+    assert odd.text
     again = engine.execute(_ordered_rag([A, B]), optimize_query=False)
     assert again.text == base.text
     cross = next(s for s in again.query.spans if s.kind == "cross")
@@ -137,7 +136,7 @@ def test_plain_prompts_cache_like_stock_vllm(engine) -> None:
     n = second.metrics.prompt_tokens
     assert second.metrics.cached_tokens == ((n - 1) // engine.block_size) * engine.block_size
     assert second.text == first.text
-    assert engine.markers.plus not in second.query.token_ids
+    assert second.query.segments == ()
 
 
 def test_rag_builder_runs_and_canonical_order_makes_order_irrelevant(engine) -> None:

@@ -41,10 +41,8 @@ def test_draw_tree_labels_every_node():
 
 def test_show_token_form_highlights_spans(tokenizer):
     from span_workflows.compile import Compiler
-    from span_workflows.markers import choose_markers
-    from span_workflows.render import ChatRenderer
 
-    compiler = Compiler(ChatRenderer(tokenizer), choose_markers(tokenizer), 32)
+    compiler = Compiler.for_tokenizer(tokenizer, 32)
     q = optimize(rag("Be brief.", ["doc <one> & more", "doc two"], "Why?", max_tokens=8))
     tq = compiler.compile_generate(q)
     out = show_token_form(tq, tokenizer)

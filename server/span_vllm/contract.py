@@ -1,0 +1,98 @@
+"""The contract between the span planner and the patched vLLM: one module, no vLLM import.
+
+A span-mode request carries its *segments* next to its tokens, in
+``SamplingParams.extra_args[LAYOUT_KEY]``::
+
+    {"key": "<this server's layout key>", "segments": [[offset, kind], ...]}
+
+``offset`` is a token index on a KV block boundary where a segment starts; tokens before the
+first segment are the ordered prefix. ``kind`` is one of
+
+* :data:`ANCHORED` — a commutative span computed after the ordered context before its plus
+  (attending to that context and to itself, never to sibling spans). Its first block's parent
+  hash is the hash of the last block before the plus (the *anchor*);
+* :data:`ISOLATED` — a commutative span computed alone from position 0: its first block's
+  parent is a fixed root (salted with the request's ``cache_salt``);
+* :data:`ORDERED` — an ordered run after spans: its first block's parent digests every block
+  before it, in order.
+
+Every other block chains from the block before it, as in stock vLLM. A request whose layout is
+missing, malformed or carries the wrong key hashes exactly as stock vLLM: only the planner,
+which knows the key, can ask for span semantics (the key reaches the engine processes through
+:data:`KEY_ENV`, which the launchers set; it is never sent to clients).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+#: ``SPAN_VLLM=1`` turns the plugin on in a process.
+ENABLE_ENV = "SPAN_VLLM"
+#: The layout key (a random secret shared by the planner and the engine processes).
+KEY_ENV = "SPAN_VLLM_LAYOUT_KEY"
+#: ``SamplingParams.extra_args`` key of a request's span layout.
+LAYOUT_KEY = "span_layout"
+
+ANCHORED = "anchored"
+ISOLATED = "isolated"
+ORDERED = "ordered"
+SEGMENT_KINDS = (ANCHORED, ISOLATED, ORDERED)
+
+#: ``((offset, kind), ...)``
+Segments = tuple[tuple[int, str], ...]
+
+#: Engine-core utility calls the plugin adds.
+PROBE_CALL = "span_probe"
+STATS_CALL = "span_stats"
+
+#: Counters the plugin keeps, with their help text (``/metrics`` exports ``span_<name>_total``).
+STAT_HELP: dict[str, str] = {
+    "hit_blocks": "KV blocks of plus spans served from the span cache",
+    "miss_blocks": "KV blocks of plus spans computed (not found in the span cache)",
+    "repositioned_tokens": "tokens whose cached keys were re-rotated to a new position",
+    "duplicated_blocks": "cached blocks copied because another request read them elsewhere",
+    "unregistered_blocks": "blocks computed over spans in context and kept out of the cache",
+    "deferred_hits": "cache hits put off a step because their KV was not computed yet",
+    "refused_hits": "cache hits given up (computed instead) for lack of a free block to copy to",
+}
+
+#: Environment an engine process needs here (defaults only; an explicit setting wins).
+VLLM_ENV_DEFAULTS: dict[str, str] = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def layout_key() -> str:
+    """This process's layout key: from :data:`KEY_ENV`, or a new random one (set in the
+    environment, so engine processes started from here inherit it)."""
+    key = os.environ.get(KEY_ENV)
+    if not key:
+        key = secrets.token_hex(16)
+        os.environ[KEY_ENV] = key
+    return key
+
+
+def enabled() -> bool:
+    """Whether span mode was asked for in this process's environment."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def enable() -> str:
+    """Turn span mode on for engines started from this process; returns the layout key."""
+    os.environ[ENABLE_ENV] = "1"
+    return layout_key()
+
+
+def layout_args(segments: Segments, key: str) -> dict[str, object]:
+    """The ``extra_args`` entry that gives a request its span segments."""
+    return {LAYOUT_KEY: {"key": key, "segments": [[int(o), str(k)] for o, k in segments]}}
+
+
+__all__ = [
+    "ANCHORED", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "LAYOUT_KEY", "ORDERED", "PROBE_CALL",
+    "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP", "Segments", "VLLM_ENV_DEFAULTS", "enable",
+    "enabled", "layout_args", "layout_key",
+]

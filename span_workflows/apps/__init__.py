@@ -1,0 +1,1 @@
+"""Applications built on the library: command line, demo, benchmarks, plots."""

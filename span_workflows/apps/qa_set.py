@@ -1,0 +1,225 @@
+"""An invented-fact question set for measuring answer quality of RAG prompts.
+
+Every document describes one invented entity (a lighthouse, a workshop, a ship, a festival, an
+observatory, a bridge) with three facts the model cannot know: who made it (a person's name),
+when (a year) and where (a town). Names of entities, people and towns are built from syllables
+with a seeded random generator and are unique across the set, so each question is answerable
+from exactly one document: its *target*. The other documents of a question (distractors) are
+the targets of other questions — about other entities of the same kinds — so the same documents
+recur across questions, as they do in a real retrieval workload.
+
+>>> qs = make_questions(8, n_docs=4, seed=1)
+>>> len(qs), len(qs[0].documents), qs[0].documents[qs[0].target] == qs[0].answer_document
+(8, 4, True)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import unicodedata
+from dataclasses import dataclass
+
+_ONSETS = ("b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "qu", "r",
+           "s", "t", "th", "v", "w", "z")
+_VOWELS = ("a", "e", "i", "o", "u", "ae", "ei", "ou")
+_CODAS = ("", "", "l", "n", "r", "s", "th", "nd", "rk", "m")
+_FIRST_NAMES = (
+    "Tomas", "Elira", "Bram", "Oswin", "Maren", "Ilse", "Corwin", "Petra", "Anselm", "Lioba",
+    "Ferris", "Odile", "Jorund", "Wenna", "Cassius", "Ysolde", "Leopold", "Nerys", "Bastian",
+    "Gudrun", "Emrys", "Rosalind", "Tibor", "Amalia",
+)
+_TOWN_ENDS = ("mere", "by", "ford", "holm", "wick", "stead", "vale", "haven", "thorpe", "moor")
+_SURNAME_ENDS = ("holt", "feather", "wright", "mont", "berg", "ley", "stone", "ward", "croft",
+                 "well", "brook", "hart")
+
+
+@dataclass(frozen=True, slots=True)
+class Entity:
+    """One invented entity and its three facts."""
+
+    kind: str
+    name: str
+    person: str
+    year: int
+    town: str
+    detail: str
+
+    @property
+    def title(self) -> str:
+        """How the document and the questions name it."""
+        return _KINDS[self.kind][0].format(name=self.name)
+
+    def document(self) -> str:
+        """The document text (65–85 tokens for SmolLM2's tokenizer)."""
+        text = _KINDS[self.kind][1].format(
+            title=self.title, name=self.name, person=self.person, year=self.year,
+            town=self.town, detail=self.detail,
+        )
+        return text[0].upper() + text[1:]
+
+
+#: kind → (title, document template)
+_KINDS: dict[str, tuple[str, str]] = {
+    "lighthouse": (
+        "the {name} Lighthouse",
+        "{title} stands on a rocky cape outside the harbour town of {town}. It was built in "
+        "{year} by the engineer {person}, who also designed its stone keeper's cottage. Its "
+        "lamp, {detail}, can be seen far out at sea on clear nights, and the tower is painted "
+        "with broad red and white bands.",
+    ),
+    "workshop": (
+        "the {name} Workshop",
+        "{title} makes clocks and small brass instruments in the market town of {town}. It was "
+        "founded in {year} by the clockmaker {person}, whose first clock still hangs above the "
+        "door. Its best-known piece is {detail}, and apprentices still train there for four "
+        "years before they sign their own work.",
+    ),
+    "ship": (
+        "the {name}",
+        "The sailing ship {name} was launched in {year} from the shipyards of {town}. Her "
+        "first captain was {person}, who commanded her on twelve voyages across the northern "
+        "sea. She carried {detail}, and her carved figurehead is now kept in a small museum "
+        "near the old docks.",
+    ),
+    "festival": (
+        "the {name} Festival",
+        "{title} is held every autumn in the hill town of {town}. It was started in {year} by "
+        "the musician {person}, who wanted to bring the valley's villages together. The "
+        "festival is known for {detail}, and it ends each year with a lantern walk along the "
+        "old town walls.",
+    ),
+    "observatory": (
+        "the {name} Observatory",
+        "{title} sits on a high ridge above the village of {town}. It was founded in {year} "
+        "by the astronomer {person}, who ground the lenses of its first telescope by hand. "
+        "Its most famous instrument is {detail}, and visitors may look through it on the "
+        "first night of every month.",
+    ),
+    "bridge": (
+        "the {name} Bridge",
+        "{title} crosses the wide river at the town of {town}. It was completed in {year} to "
+        "plans by the architect {person}, after an older wooden bridge was swept away by a "
+        "flood. It is built of {detail}, and its seven arches are lit by lamps every evening.",
+    ),
+}
+
+_DETAILS: dict[str, tuple[str, ...]] = {
+    "lighthouse": ("a great glass lens", "a slowly turning double lamp", "an amber beacon"),
+    "workshop": ("a moon-phase clock", "a singing music box", "a brass sea compass"),
+    "ship": ("wool and salt", "timber and tar", "tea and silk"),
+    "festival": ("its puppet plays", "its bell choirs", "its bread contests"),
+    "observatory": ("a bronze refracting telescope", "a copper sun dial", "a tall mirror"),
+    "bridge": ("pale grey granite", "red river stone", "dark iron and oak"),
+}
+
+#: fact → the Entity attribute that answers it
+QUESTION_KINDS: dict[str, str] = {"who": "person", "when": "year", "where": "town"}
+#: kind → (who, when, where) question templates
+_QUESTIONS: dict[str, tuple[str, str, str]] = {
+    "lighthouse": ("Who built {title}?", "In which year was {title} built?",
+                   "Near which town does {title} stand?"),
+    "workshop": ("Who founded {title}?", "In which year was {title} founded?",
+                 "In which town is {title}?"),
+    "ship": ("Who was the first captain of {title}?", "In which year was {title} launched?",
+             "From which town was {title} launched?"),
+    "festival": ("Who started {title}?", "In which year was {title} started?",
+                 "In which town is {title} held?"),
+    "observatory": ("Who founded {title}?", "In which year was {title} founded?",
+                    "Above which village does {title} sit?"),
+    "bridge": ("Who designed {title}?", "In which year was {title} completed?",
+               "At which town does {title} cross the river?"),
+}
+_ASK = {"who": " Answer with the full name.", "when": " Answer with the year.",
+        "where": " Answer with the name of the place."}
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """One question with its documents (in the order a retriever returned them)."""
+
+    question: str
+    answer: str
+    fact: str
+    documents: tuple[str, ...]
+    target: int
+
+    @property
+    def answer_document(self) -> str:
+        """The one document that holds the answer."""
+        return self.documents[self.target]
+
+
+def make_entities(count: int, seed: int = 0) -> list[Entity]:
+    """``count`` entities with unique names, people and towns (deterministic for ``seed``)."""
+    rng = random.Random(seed)
+    used: set[str] = set()
+    kinds = list(_KINDS)
+    entities = []
+    for i in range(count):
+        kind = kinds[i % len(kinds)]
+        name = _unique(rng, used, lambda: _word(rng, 2).capitalize())
+        surname = _unique(rng, used, lambda: _word(rng, 1).capitalize() + rng.choice(_SURNAME_ENDS))
+        town = _unique(rng, used, lambda: _word(rng, 1).capitalize() + rng.choice(_TOWN_ENDS))
+        entities.append(Entity(
+            kind=kind, name=name, person=f"{rng.choice(_FIRST_NAMES)} {surname}",
+            year=rng.randint(1702, 1968), town=town, detail=rng.choice(_DETAILS[kind]),
+        ))
+    return entities
+
+
+def make_questions(count: int, n_docs: int, seed: int = 0) -> list[Question]:
+    """``count`` questions, each over ``n_docs`` documents in random order, exactly one of
+    which answers it. Facts cycle through who / when / where."""
+    if n_docs < 1 or n_docs > count:
+        raise ValueError("n_docs must be between 1 and count")
+    entities = make_entities(count, seed)
+    documents = [e.document() for e in entities]
+    rng = random.Random(seed * 7919 + n_docs)
+    facts = list(QUESTION_KINDS)
+    questions = []
+    for i, entity in enumerate(entities):
+        fact = facts[(i + i // len(_KINDS)) % len(facts)]
+        attribute = QUESTION_KINDS[fact]
+        template = _QUESTIONS[entity.kind][facts.index(fact)]
+        text = template.format(title=entity.title) + _ASK[fact]
+        others = rng.sample([j for j in range(count) if j != i], n_docs - 1)
+        order = [i, *others]
+        rng.shuffle(order)
+        questions.append(Question(
+            question=text, answer=str(getattr(entity, attribute)), fact=fact,
+            documents=tuple(documents[j] for j in order), target=order.index(i),
+        ))
+    return questions
+
+
+def normalize(text: str) -> str:
+    """Lower case, accents and punctuation removed, whitespace collapsed."""
+    text = unicodedata.normalize("NFKD", text)
+    text = "".join(c for c in text if not unicodedata.combining(c)).lower()
+    return " ".join(re.sub(r"[^a-z0-9]+", " ", text).split())
+
+
+def is_correct(answer: str, generated: str) -> bool:
+    """Normalized exact match: the normalized answer occurs, as whole words, in the normalized
+    generated text."""
+    needle = normalize(answer)
+    return bool(needle) and f" {needle} " in f" {normalize(generated)} "
+
+
+def _word(rng: random.Random, syllables: int) -> str:
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                   for _ in range(syllables))
+
+
+def _unique(rng: random.Random, used: set[str], make) -> str:  # type: ignore[no-untyped-def]
+    for _ in range(1000):
+        word = make()
+        if word.lower() not in used and len(word) >= 4:
+            used.add(word.lower())
+            return word
+    raise RuntimeError("ran out of unique invented names")
+
+
+__all__ = ["Entity", "QUESTION_KINDS", "Question", "is_correct", "make_entities",
+           "make_questions", "normalize"]

@@ -1,0 +1,122 @@
+"""How plus spans are laid out in tokens and what they attend to: :class:`SpanOptions`.
+
+A plus span's KV is computed once and reused wherever the span is placed, so it must start a
+KV block and fill whole blocks; the compiler pads it. Which *context* that KV was computed in is
+a choice with a price in answer quality (``benchmarks/results/quality.md``):
+
+* ``attend="prefix"`` (the default) — each span is computed after the ordered prefix that
+  precedes its plus (system prompt, earlier turns), attending to that prefix and to itself,
+  never to its sibling spans. Its cache key chains over the prefix, so it is reused in any order
+  and by every query with the same prefix;
+* ``attend="self"`` — each span is computed alone from position 0 (the paper's isolated spans):
+  reused across different prefixes too, but every span then carries attention-sink KV of its
+  own, which costs accuracy on small models.
+
+Layout knobs, measured in the quality benchmark: where the padding goes (``pad``: after the
+span's message, inside it before the end-of-message tokens, or before the message), which text
+pads (``pad_text``, one token), and whether a marker token opens each span (``marker``; the
+engine does not need one: span boundaries travel next to the tokens, see
+:mod:`span_workflows.wire`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from span_workflows.errors import SpanQueryError
+
+Attend = Literal["prefix", "self"]
+PadPosition = Literal["after", "inside", "before"]
+
+ATTEND_CHOICES: tuple[str, ...] = ("prefix", "self")
+PAD_CHOICES: tuple[str, ...] = ("after", "inside", "before")
+
+
+@dataclass(frozen=True, slots=True)
+class SpanOptions:
+    """What plus spans attend to and how they are padded (see the module docstring)."""
+
+    attend: Attend = "prefix"
+    pad: PadPosition = "after"
+    pad_text: str = "\n"
+    marker: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attend not in ATTEND_CHOICES:
+            raise SpanQueryError(
+                "span_options.attend", f"must be one of {', '.join(ATTEND_CHOICES)}, not "
+                                       f"{self.attend!r}")
+        if self.pad not in PAD_CHOICES:
+            raise SpanQueryError(
+                "span_options.pad", f"must be one of {', '.join(PAD_CHOICES)}, not {self.pad!r}")
+        if not isinstance(self.pad_text, str) or not self.pad_text:
+            raise SpanQueryError("span_options.pad_text", "must be a non-empty string")
+        if not isinstance(self.marker, bool):
+            raise SpanQueryError("span_options.marker", "must be true or false")
+
+    @classmethod
+    def coerce(cls, value: SpanOptions | str | dict[str, Any] | None,
+               default: SpanOptions | None = None) -> SpanOptions:
+        """Options from a :class:`SpanOptions`, a preset name (``"prefix"``/``"self"``, the
+        value of ``attend``), a dict of fields (JSON), or ``None`` (``default``)."""
+        base = default or cls()
+        if value is None:
+            return base
+        if isinstance(value, SpanOptions):
+            return value
+        if isinstance(value, str):
+            return replace(base, attend=value)  # type: ignore[arg-type]
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"attend", "pad", "pad_text", "marker"})
+            if unknown:
+                raise SpanQueryError("span_options", f"unknown option {unknown[0]!r} (known: "
+                                                     "attend, pad, pad_text, marker)")
+            return replace(base, **value)
+        raise SpanQueryError("span_options", f"expected an object or a name, not "
+                                             f"{type(value).__name__}")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as JSON."""
+        return {"attend": self.attend, "pad": self.pad, "pad_text": self.pad_text,
+                "marker": self.marker}
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutTokens:
+    """Token ids a layout uses for one tokenizer: the pad token and the optional marker."""
+
+    pad: int
+    marker: int
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, pad_text: str = "\n") -> LayoutTokens:
+        """The pad token (``pad_text`` must be one token) and a marker: the highest-numbered
+        added token that is not BOS/EOS/PAD/UNK and that the chat template does not emit."""
+        pad = tokenizer.encode(pad_text, add_special_tokens=False)
+        if len(pad) != 1:
+            raise SpanQueryError("span_options.pad_text",
+                                 f"{pad_text!r} is {len(pad)} tokens for this tokenizer, not 1")
+        return cls(pad=pad[0], marker=_unused_added_token(tokenizer))
+
+
+def _unused_added_token(tokenizer: Any) -> int:
+    reserved = {
+        t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+                    tokenizer.unk_token_id) if t is not None
+    }
+    sample = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+         {"role": "assistant", "content": "a"}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    used = set(tokenizer.encode(sample, add_special_tokens=False))
+    candidates = sorted(t for t in tokenizer.added_tokens_decoder
+                        if t not in reserved and t not in used)
+    if not candidates:
+        raise ValueError("the tokenizer has no unused added token to serve as a span marker")
+    return candidates[-1]
+
+
+__all__ = ["ATTEND_CHOICES", "Attend", "LayoutTokens", "PAD_CHOICES", "PadPosition",
+           "SpanOptions"]
