@@ -135,11 +135,33 @@ def _patch_scheduler(key: str) -> None:
 
     def make_allocate(original: Callable) -> Callable:
         def allocate_slots(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, request, *args, **kwargs)
+            bound = allocate_sig.bind(self, request, *args, **kwargs)
+            bound.apply_defaults()
+            tracker = _tracker(self)
+            new_computed = bound.arguments["num_new_computed_tokens"]
+            hits = bound.arguments["new_computed_blocks"]
+            copies = 0
+            if hits is not None and new_computed:
+                admission = tracker.admit(list(hits.blocks[0]),
+                                          request.num_computed_tokens // tracker.block_size)
+                if admission.defer:
+                    STATS.deferred_hits += 1
+                    return None
+                copies = admission.copies
+            bound.arguments["reserved_blocks"] += copies
+            result = original(*bound.args, **bound.kwargs)
+            if result is None and copies and not bound.arguments["has_scheduled_reqs"]:
+                # Nothing else runs, so no block will be freed by waiting: adopt the hits
+                # without the reserve and move cached blocks in place where nobody reads them.
+                STATS.refused_hits += copies
+                bound.arguments["reserved_blocks"] -= copies
+                result = original(*bound.args, **bound.kwargs)
+                if result is not None:
+                    tracker.after_allocate(self, request, new_computed, in_place=True)
+                return result
             if result is not None:
-                bound = allocate_sig.bind(self, request, *args, **kwargs)
-                new_computed = bound.arguments.get("num_new_computed_tokens", 0)
-                _tracker(self).after_allocate(self, request, new_computed)
+                tracker.reserve(copies)
+                tracker.after_allocate(self, request, new_computed)
             return result
 
         return allocate_slots
@@ -210,9 +232,21 @@ def _tracker(manager: Any) -> PositionTracker:
             raise IncompatibleVllmError(
                 "span mode supports models with one KV cache group (full attention) only"
             )
-        tracker = PositionTracker(managers[0].block_size)
+        tracker = PositionTracker(managers[0].block_size, in_place=_float32_cache(manager))
         manager._span_tracker = tracker
     return tracker
+
+
+def _float32_cache(manager: Any) -> bool:
+    """Whether the KV cache stores float32 (or wider): then rotating cached blocks in place
+    loses nothing measurable; narrower caches are moved as copies from their home position."""
+    import torch
+
+    try:
+        dtype = manager.kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
+    except (AttributeError, IndexError):
+        return False
+    return dtype in (torch.float32, torch.float64)
 
 
 def _patch_worker() -> None:

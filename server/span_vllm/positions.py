@@ -4,10 +4,22 @@ vLLM stores keys after RoPE, so a cached block is only valid at the position its
 rotated for. After the scheduler adopts prefix-cache hits for a request, every hit block whose
 recorded position differs from where the request needs it is either
 
-* **rotated in place** (no other live request uses it), or
-* **duplicated** — copied into a fresh block with vLLM's copy-on-write path, and the copy rotated
-  — when another live request (or another place in the same request) still reads it at its old
-  position. The copy is private to the request and never registered in the prefix cache.
+* **rotated in place** — only with a float32/float64 cache, when no other live request (and no
+  other place in the same request) reads the block; or
+* **duplicated** — copied into a fresh block with vLLM's copy-on-write path, and the copy
+  rotated. The copy is private to the request and never registered in the prefix cache. With a
+  16-bit (or smaller) cache every move is a copy rotated *from the block's home position* (where
+  its KV was computed): the cached original is never rewritten, so a popular span moved a
+  thousand times is rounded once per use, not once per move.
+
+Safety rules, checked before vLLM adopts the hits (:meth:`PositionTracker.admit`):
+
+* a hit that needs a move on a block whose KV is not computed yet (allocated earlier in the
+  same scheduler step: vLLM registers blocks when it allocates them) is **deferred** a step —
+  moving it now would copy or rotate memory the forward pass has not written;
+* the fresh blocks the copies need are **reserved** with the allocation (vLLM's
+  ``reserved_blocks``), so a copy never finds the free pool empty. If they do not fit, the
+  request waits like any request that does not fit.
 
 The moves of one scheduler step are handed to the workers with that step's output
 (``scheduler_output.span_rotations``: ``[(block_id, delta_positions), ...]``), applied after
@@ -22,30 +34,74 @@ from typing import Any
 from span_vllm.stats import STATS
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What adopting a request's hits needs: ``copies`` fresh blocks, or to wait a step
+    (``defer``)."""
+
+    copies: int = 0
+    defer: bool = False
+
+
 @dataclass
 class PositionTracker:
     """Position (of the first token) each physical block's keys currently carry."""
 
     block_size: int
+    #: rotate cached blocks in place when nobody else reads them (exact enough in float32);
+    #: ``False``: every move is a copy rotated from the block's home position
+    in_place: bool = True
     positions: dict[int, int] = field(default_factory=dict)
     _step_rotations: dict[int, int] = field(default_factory=dict)
     _step_start: dict[int, int] = field(default_factory=dict)
+    #: blocks allocated for computation in the current step (their KV is not written yet)
+    _pending: set[int] = field(default_factory=set)
+    #: copies reserved at admission and not placed yet
+    _reserved: int = 0
 
-    def after_allocate(self, manager: Any, request: Any, num_new_computed_tokens: int) -> None:
+    def admit(self, hits: list[Any], first_index: int) -> Admission:
+        """Check a request's prefix-cache hits (``hits[i]`` at block index ``first_index+i``)
+        before vLLM adopts them."""
+        copies = 0
+        seen: set[int] = set()
+        for offset, block in enumerate(hits):
+            if block.is_null:
+                continue
+            target = (first_index + offset) * self.block_size
+            moves = self.positions.get(block.block_id, target) != target
+            if moves and block.block_id in self._pending:
+                return Admission(defer=True)
+            shared = block.ref_cnt > 0 or block.block_id in seen
+            if moves and (shared or not self.in_place):
+                copies += 1
+            seen.add(block.block_id)
+        return Admission(copies=copies)
+
+    def reserve(self, copies: int) -> None:
+        """Copies admitted with an allocation that succeeded (placed by :meth:`after_allocate`)."""
+        self._reserved += copies
+
+    def after_allocate(self, manager: Any, request: Any, num_new_computed_tokens: int, *,
+                       in_place: bool | None = None) -> None:
         """Record positions for ``request``'s blocks after ``allocate_slots`` succeeded, and plan
-        the rotations/copies its newly adopted cache hits need."""
+        the rotations/copies its newly adopted cache hits need (``in_place=True``: rotate
+        unshared blocks in place whatever the cache dtype, when no copy was reserved)."""
         single = manager.coordinator.single_type_managers[0]
         blocks = single.req_to_blocks[request.request_id]
         first_hit = request.num_computed_tokens // self.block_size
         end_hit = (request.num_computed_tokens + num_new_computed_tokens) // self.block_size
+        allow = self.in_place if in_place is None else in_place
         for index in range(first_hit, end_hit):
-            self._place_hit(manager, single, request, blocks, index)
+            self._place_hit(manager, single, request, blocks, index, allow)
+        self._reserved = 0
         for index in range(end_hit, len(blocks)):
             block = blocks[index]
             if not block.is_null:
                 self.positions[block.block_id] = index * self.block_size
+                self._pending.add(block.block_id)
 
-    def _place_hit(self, manager: Any, single: Any, request: Any, blocks: list, index: int) -> None:
+    def _place_hit(self, manager: Any, single: Any, request: Any, blocks: list, index: int,
+                   in_place: bool) -> None:
         block = blocks[index]
         if block.is_null:
             return
@@ -55,11 +111,16 @@ class PositionTracker:
             STATS.hit_blocks += 1
             return
         original = self._step_start.get(block.block_id, current)
-        if block.ref_cnt <= 1:
+        if in_place and block.ref_cnt <= 1:
             self._rotate(block.block_id, target - current, original)
             self.positions[block.block_id] = target
         else:
+            if self._reserved <= 0 and manager.block_pool.get_num_free_blocks() == 0:
+                raise RuntimeError(
+                    "span_vllm: a span is read at two positions by one request and the KV "
+                    "cache has no free block to copy it to; give the engine a larger KV cache")
             copy = manager.block_pool.get_new_blocks(1)[0]
+            self._reserved -= 1
             single._apply_cow(request.request_id, index, block, copy)
             STATS.duplicated_blocks += 1
             # The copy runs before this step's rotations: it sees the step-start content.
@@ -77,8 +138,11 @@ class PositionTracker:
             self._step_rotations.pop(block_id, None)
 
     def take_step(self) -> list[tuple[int, int]]:
-        """Drain this step's rotations as ``[(block_id, delta), ...]``."""
+        """Drain this step's rotations as ``[(block_id, delta), ...]``; the blocks allocated in
+        this step count as computed from now on (the step's forward pass writes them before the
+        next step's moves run)."""
         moves = list(self._step_rotations.items())
         self._step_rotations.clear()
         self._step_start.clear()
+        self._pending.clear()
         return moves
