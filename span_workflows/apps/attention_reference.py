@@ -214,8 +214,9 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class AttentionReference:
-    """The model of ``model_dir`` (default: :func:`~span_workflows.model.resolve_model`) in
-    float32 on the CPU, answering token forms under any span attention mode.
+    """The model of ``model_dir`` (default: :func:`~span_workflows.model.resolve_model`) on
+    the CPU in ``dtype`` (float32 by default), answering token forms under any span attention
+    mode.
 
     Loads the model and tokenizer once; :meth:`generate` is deterministic (greedy)."""
 

@@ -1,0 +1,126 @@
+"""Isolation and tenant safety of the span cache on the real engine (SmolLM2-135M): what a hit
+means when spans were computed in context, when hits land in the step that computes them,
+across cache salts, and for requests that do not come from the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from span_vllm import contract
+from span_workflows.compile import SpanPrompt
+from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.plan import Probe, Request
+
+pytestmark = pytest.mark.engine
+
+SYSTEM = "Answer the question using the documents."
+A = ("The capital of Freedonia is Glimmerton, a city famous for its purple bridges and its "
+     "annual kite festival held every spring on the river banks. ") * 2
+B = ("Zorblax is a fictional metal that melts at twelve degrees Celsius; sculptors use it for "
+     "ice art that must vanish before noon. ") * 2
+C = ("The Blue Heron Inn serves breakfast from six to nine in the morning and closes every "
+     "Tuesday so the staff can clean the old oak floors. ") * 2
+LONG_QUESTION = "Please answer carefully and completely, in one sentence. " * 8 + \
+    "What is the capital of Freedonia?"
+
+
+def _query(docs: list[str], question: str = LONG_QUESTION, max_tokens: int = 12) -> Generate:
+    return Generate(Cross((System(SYSTEM), Plus(tuple(Fragment(d) for d in docs)),
+                           User(question))), max_tokens=max_tokens, temperature=0.0)
+
+
+def _raw(engine, token_ids, extra_args=None, salt=None):
+    """One request straight to vLLM, bypassing the planner."""
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": list(token_ids)}
+    if salt:
+        prompt["cache_salt"] = salt
+    params = SamplingParams(max_tokens=8, temperature=0.0, extra_args=extra_args)
+    [out] = engine._llm.generate([prompt], params, use_tqdm=False)
+    return out
+
+
+def test_tail_after_spans_computed_in_context_is_never_reused(engine) -> None:
+    """The main request computes its spans in context (no prepares ran): neither those spans
+    nor the two-block ordered tail after them may serve a later hit."""
+    engine.reset_cache()
+    q = _query([A, B, C])
+    tq = engine.compile(q, span_options="self")
+    tail = next(s for s in tq.spans if s.kind == "cross")
+    assert tail.length >= 2 * engine.block_size
+    [unprepared] = engine._run([Request(tq.token_ids, 1, 0.0, segments=tq.segments)])
+    assert unprepared.cached_tokens == 0
+    before = engine.span_stats()["unregistered_blocks"]
+    proper = engine.execute(q, span_options="self")
+    assert engine.span_stats()["unregistered_blocks"] >= before
+    assert proper.metrics.cached_tokens == tail.offset  # spans from prepares, tail computed
+    engine.reset_cache()
+    fresh = engine.execute(q, span_options="self")
+    assert proper.text == fresh.text and proper.token_ids == fresh.token_ids
+
+
+def test_a_hit_on_a_span_computed_in_the_same_step_waits_for_its_kv(engine) -> None:
+    """Prepares and the main request submitted together: the main request's span B must move
+    from where its prepare computes it, so vLLM must not adopt it before it is computed."""
+    q = _query([A, B])
+    tq = engine.compile(q)
+    engine.reset_cache()
+    deferred = engine.span_stats()["deferred_hits"]
+    outs = engine._run([Request.prepare(p) for p in tq.prepare]
+                       + [Request(tq.token_ids, 12, 0.0, segments=tq.segments)])
+    assert engine.span_stats()["deferred_hits"] > deferred
+    together = outs[-1]
+    engine.reset_cache()
+    fresh = engine.execute(q)
+    assert together.token_ids[0] == fresh.token_ids
+    assert together.cached_tokens == fresh.metrics.cached_tokens
+
+
+def test_cache_salt_separates_tenants_spans(engine) -> None:
+    q = _query([A, B, C])
+    engine.reset_cache()
+    first = engine.execute(q, cache_salt="tenant-a")
+    again = engine.execute(q, cache_salt="tenant-a")
+    other = engine.execute(q, cache_salt="tenant-b")
+    unsalted = engine.execute(q)
+    assert first.metrics.prepare_requests == 4
+    assert again.metrics.prepare_requests == 0  # a salted query reads its own spans
+    assert other.metrics.prepare_requests == 4  # another salt finds none of them
+    assert unsalted.metrics.prepare_requests == 4
+    assert first.text == again.text == other.text == unsalted.text
+    # Nothing of tenant a is visible to tenant b, not even through a raw request.
+    probe = engine._probe(Probe(list(first.query.prepare), ["tenant-b"] * 4))
+    assert probe == [True] * 4  # b's own prepares
+    engine.reset_cache()
+    engine.execute(q, cache_salt="tenant-a")
+    assert engine._probe(Probe(list(first.query.prepare), ["tenant-b"] * 4)) == [False] * 4
+    assert _raw(engine, first.query.token_ids, salt="tenant-b").num_cached_tokens == 0
+
+
+def test_requests_that_do_not_come_from_the_planner_hash_as_stock(engine) -> None:
+    """The same tokens as a span query, sent plainly or with a forged layout, read only what
+    stock vLLM would (the prefix and the first span, which were computed exactly as a plain
+    prompt computes them) and never an anchored sibling span."""
+    q = _query([A, B, C])
+    engine.reset_cache()
+    fresh = _raw(engine, engine.compile(q).token_ids)
+    for extra in (None, "forged"):
+        engine.reset_cache()
+        tq = engine.execute(q).query
+        second = [s for s in tq.spans if s.kind == "plus"][1]
+        args = contract.layout_args(tq.segments, "not-the-key") if extra else None
+        out = _raw(engine, tq.token_ids, args)
+        assert out.num_cached_tokens <= second.offset
+        assert out.outputs[0].token_ids == fresh.outputs[0].token_ids
+
+
+def test_prefix_anchored_prepares_are_reused_across_questions_with_the_same_prefix(
+        engine) -> None:
+    engine.reset_cache()
+    engine.execute(_query([A, B, C]))
+    other = engine.execute(_query([C, B], "Where is the kite festival held?"))
+    assert other.metrics.prepare_requests == 0
+    probe = engine._probe(Probe([SpanPrompt(p.token_ids, p.segments)
+                                 for p in other.query.prepare]))
+    assert all(probe)
