@@ -128,3 +128,46 @@ def test_vllm_views_every_layer_as_blocks_heads_tokens_content() -> None:
     source = inspect.getsource(utils.copy_kv_cache_blocks_inplace)
     # Manager block b owns kernel blocks b*r .. b*r+r-1: vLLM's own block copy folds them so.
     assert "cache.unflatten(0, (num_blocks, kernel_blocks_per_block))" in source
+
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_keys_are_decoded_rotated_and_reencoded_with_each_layers_scale(
+    vllm_config, fp8_dtype: torch.dtype
+) -> None:
+    """vLLM stores fp8 KV as uint8 bytes ``fp8(k / k_scale)``; a move must equal quantizing the
+    keys computed at the new position, up to fp8 rounding — never a rotation of raw bytes."""
+    from span_vllm.rotation import Fp8Keys
+
+    torch.manual_seed(5)
+    config, caches = _allocate(vllm_config, "LBNHC", 16, torch.uint8)
+    assert caches[0].dtype == torch.uint8
+    for cache in caches:
+        cache.copy_(torch.randint(0, 120, cache.shape, dtype=torch.uint8))
+    scales = [0.05, 0.02, torch.tensor(0.1)]  # floats or the layer's _k_scale tensor
+    rotator = RopeRotator.from_base(10000.0, D)
+    raw = [torch.randn(BLOCK, HEADS, D, dtype=torch.float64) for _ in caches]
+    p, q, block = 5, 905, 2
+
+    def encode(keys: torch.Tensor, scale) -> torch.Tensor:
+        return (keys / float(scale)).to(torch.float32).to(fp8_dtype).view(torch.uint8)
+
+    def decode(stored: torch.Tensor, scale) -> torch.Tensor:
+        return stored.view(fp8_dtype).to(torch.float64) * float(scale)
+
+    for cache, keys, scale in zip(caches, raw, scales, strict=True):
+        _write_block(cache, block, encode(_rope(keys, rotator, p), scale))
+    before = [c.clone() for c in caches]
+    rotator.apply(caches, PagedKeyLayout(D, config.num_blocks), [(block, q - p)],
+                  fp8=Fp8Keys(fp8_dtype, scales))
+    mantissa = torch.finfo(fp8_dtype).eps
+    for cache, old, keys, scale in zip(caches, before, raw, scales, strict=True):
+        got = decode(_read_block(cache, block), scale)
+        fresh = decode(encode(_rope(keys, rotator, q), scale), scale)
+        want = _rope(keys, rotator, q)
+        # two fp8 roundings (at p, then after the move) against one for a fresh compute
+        assert (got - want).abs().max() <= 2 * mantissa * want.abs().max()
+        assert (got - want).abs().mean() <= 3 * (fresh - want).abs().mean()
+        kernel = (cache != old).unflatten(0, (config.num_blocks, -1))
+        assert not kernel[..., D:].any()
+        kernel[block, ..., :D] = False
+        assert not kernel.any()
