@@ -182,7 +182,7 @@ def _cpu_runner(backend: str = "CPU_ATTN", isa: str = "vec", kv_dtype: str = "au
     model = nn.Module()
     model.layers = nn.ModuleList()
     context = {}
-    for i, name in enumerate(names):
+    for name in names:
         owner = nn.Module()
         owner.attn = nn.Module()
         owner.attn.layer_name = name
