@@ -84,6 +84,17 @@ def test_apply_rotates_every_layer_once_per_shared_cache() -> None:
     assert not torch.equal(other, before_other)
 
 
+@pytest.mark.gpu
+def test_gpu_rotation_on_device_matches_cpu() -> None:
+    rotator = RopeRotator.from_base(100000.0, D)
+    layout = PagedKeyLayout(D, num_blocks=16)
+    cache = _paged(16)
+    gpu = cache.cuda()
+    rotator.apply([cache], layout, [(3, 100), (9, -50)])
+    rotator.apply([gpu], layout, [(3, 100), (9, -50)])  # the fused kernel where Triton is
+    assert torch.allclose(gpu.cpu(), cache, atol=1e-5)
+
+
 @pytest.mark.parametrize("neox", [True, False])
 @pytest.mark.parametrize("buffer_bytes", [1, 1 << 20])
 def test_apply_on_the_cpu_layout_equals_rotating_each_block(
