@@ -92,10 +92,20 @@ def rope_keys(raw: torch.Tensor, inv_freq: torch.Tensor, start: int) -> torch.Te
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-def _key_block(view: torch.Tensor, block: int, split: int, head: int) -> torch.Tensor:
-    """Manager block ``block``'s keys as ``[tokens, heads, head]`` (a view)."""
-    kernel = view[block * split:(block + 1) * split]  # [r, H, Nk, 2D]
-    return kernel[..., :head].permute(0, 2, 1, 3).flatten(0, 1)
+def _kernel_keys(view: torch.Tensor, block: int, split: int, head: int) -> list[torch.Tensor]:
+    """Manager block ``block``'s keys: one ``[tokens, heads, head]`` view per kernel block."""
+    return [view[block * split + j][..., :head].transpose(0, 1) for j in range(split)]
+
+
+def write_keys(view: torch.Tensor, block: int, split: int, keys: torch.Tensor) -> None:
+    """Store ``keys`` ``[block_size, heads, head]`` as manager block ``block``'s tokens."""
+    parts = _kernel_keys(view, block, split, keys.shape[-1])
+    for part, chunk in zip(parts, keys.chunk(split, dim=0), strict=True):
+        part.copy_(chunk)
+
+
+def read_keys(view: torch.Tensor, block: int, split: int, head: int) -> torch.Tensor:
+    return torch.cat(_kernel_keys(view, block, split, head), dim=0)
 
 
 def check_correctness(rotation: Any, device: str, shape: Shape, layout: str, split: int,
@@ -121,12 +131,11 @@ def check_correctness(rotation: Any, device: str, shape: Shape, layout: str, spl
                                dtype=torch.float64)
             raw_keys[layer, block] = keys
             placed = rope_keys(keys, rotator.inv_freq, start)
-            target = _key_block(view, block, split, shape.head_size)
             if fp8:
-                target.copy_((placed / scales[layer]).float().to(torch.float8_e4m3fn)
-                             .view(torch.uint8))
+                placed = (placed / scales[layer]).float().to(torch.float8_e4m3fn)
+                write_keys(view, block, split, placed.view(torch.uint8).to(view.device))
             else:
-                target.copy_(placed.to(dtype))
+                write_keys(view, block, split, placed.to(device=view.device, dtype=dtype))
     before = raw_alloc.clone()
     keys_format = rotation.Fp8Keys(torch.float8_e4m3fn, scales) if fp8 else None
     rotator.apply(views, rotation.PagedKeyLayout(shape.head_size, num_blocks), moves,
@@ -134,7 +143,7 @@ def check_correctness(rotation: Any, device: str, shape: Shape, layout: str, spl
     worst = 0.0
     for layer, view in enumerate(views):
         for block, delta in moves:
-            got = _key_block(view, block, split, shape.head_size)
+            got = read_keys(view, block, split, shape.head_size)
             got = (got.view(torch.float8_e4m3fn).double() * scales[layer] if fp8
                    else got.double())
             want = rope_keys(raw_keys[layer, block], rotator.inv_freq,
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     correctness = [
         check_correctness(rotation, device, check_shape, layout, split, dtype_name, backend)
         for backend in backends
-        for layout, split in (("LBNHC", 1), ("LBHNC", 1), ("LBNHC", 2))
+        for layout, split in (("LBNHC", 1), ("LBHNC", 1), ("LBNHC", 2), ("LBHNC", 2))
         for dtype_name in ("bf16", "fp16", "fp8-e4m3")
     ]
     bench_shape = (Shape(layers=4, heads=2, head_size=64, block_size=16) if args.small
