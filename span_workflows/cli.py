@@ -22,7 +22,16 @@ from span_workflows.json_ir import from_json
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``span-workflows`` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after "--" goes to vLLM untouched
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    args, unknown = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "serve":
+        args.vllm_args = unknown + passthrough
+    elif unknown or passthrough:
+        parser.error(f"unrecognized arguments: {' '.join(unknown + passthrough)}")
     if not getattr(args, "command", None):
         parser.print_help()
         return 2
@@ -68,13 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     comp.add_argument("--block-size", type=int, default=32)
     comp.set_defaults(func=_cmd_compile)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible vLLM server with span queries")
-    serve.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
+    serve = sub.add_parser(
+        "serve", help="OpenAI-compatible vLLM server with span queries",
+        description="Any other option (or everything after --) is passed to vLLM's server, "
+                    "e.g. span-workflows serve --model org/name -- --tensor-parallel-size 2",
+    )
+    serve.add_argument("--model", help="local HF model directory or hub id "
+                                       "(default: the bundled SmolLM2-135M)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", help="require this bearer token")
-    serve.add_argument("--block-size", type=int, default=32)
-    serve.add_argument("--kv-cache-gib", type=int, default=2)
+    serve.add_argument("--block-size", type=int, default=None,
+                       help="KV block size (default: 32 on CPU, vLLM's on a GPU)")
+    serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size on CPU")
     serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: rag, nested, reposition, compile, locality")
@@ -208,7 +223,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from span_workflows.serve import serve
 
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
-          block_size=args.block_size, kv_cache_gib=args.kv_cache_gib)
+          block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+          extra_args=getattr(args, "vllm_args", []))
     return 0
 
 

@@ -18,21 +18,60 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from span_workflows.model import resolve_model
+from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
 
 LAUNCHER_MODULE = "span_vllm.api"
 
 _ENV_DEFAULTS = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_OFFLINE": "1",
+    # The V1 runner is the path proven end to end; Model Runner V2 is supported too
+    # (VLLM_USE_V2_MODEL_RUNNER=1 in the environment wins).
     "VLLM_USE_V2_MODEL_RUNNER": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
+#: vLLM flags ``serve`` adds on CPU only (exact fp32 reference numerics, no graph capture);
+#: on a GPU vLLM's own defaults apply (model dtype, CUDA graphs, its block size).
+CPU_ARGS = ("--enforce-eager", "--dtype", "float32")
+#: CPU attention needs blocks that are a multiple of 32 (its default, 128, wastes cache).
+CPU_BLOCK_SIZE = 32
+
 
 class ServerStartError(RuntimeError):
     """The server process exited or did not become healthy in time."""
+
+
+def detect_device() -> str:
+    """``"cuda"`` if a CUDA device is visible to torch here, else ``"cpu"``."""
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - torch comes with vLLM
+        return "cpu"
+
+
+def model_reference(model: str | Path | None) -> tuple[str, bool]:
+    """What to pass to vLLM as ``--model``, and whether it is on this machine.
+
+    ``None`` / the bundled default's name → its converted directory; an existing directory →
+    that directory; anything else is taken as a Hugging Face hub id (``org/name``), which vLLM
+    downloads (or reads from the HF cache). Raises
+    :class:`~span_workflows.errors.ModelNotAvailableError` for a path-like name that does not
+    exist or a hub id in offline mode (``HF_HUB_OFFLINE=1``)."""
+    from span_workflows.errors import ModelNotAvailableError
+
+    if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
+        return str(resolve_model(None, progress=True)), True
+    text = str(model)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return str(resolve_model(text, progress=True)), True
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not looks_like_hub_id or os.environ.get("HF_HUB_OFFLINE", "") in ("1", "true", "True"):
+        raise ModelNotAvailableError(text)
+    return text, False
 
 
 def server_command(
@@ -40,23 +79,32 @@ def server_command(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
     extra_args: Sequence[str] = (),
     *,
     max_model_len: int | None = None,
+    device: str | None = None,
 ) -> list[str]:
-    """The command line of the server for a resolved model (see :func:`serve`)."""
-    model_dir = resolve_model(None if model is None else str(model), progress=True)
+    """The command line of the server (see :func:`serve`).
+
+    ``device`` (default: :func:`detect_device`) only decides the CPU defaults: on ``"cpu"``
+    ``--enforce-eager --dtype float32`` and a block size of 32 are added; on a GPU nothing
+    but what is asked. ``extra_args`` go last, so any vLLM option there wins."""
+    reference, _ = model_reference(model)
+    on_cpu = (device or detect_device()) == "cpu"
+    if block_size is None and on_cpu:
+        block_size = CPU_BLOCK_SIZE
     cmd = [
         sys.executable, "-m", LAUNCHER_MODULE,
-        "--model", str(model_dir),
+        "--model", reference,
         "--host", host,
         "--port", str(int(port)),
-        "--block-size", str(int(block_size)),
         "--enable-prefix-caching",
-        "--enforce-eager",
-        "--dtype", "float32",  # as the embedded Engine; a later --dtype in extra_args wins
     ]
+    if block_size is not None:
+        cmd += ["--block-size", str(int(block_size))]
+    if on_cpu:
+        cmd += list(CPU_ARGS)
     if max_model_len is not None:
         cmd += ["--max-model-len", str(int(max_model_len))]
     if api_key:
@@ -70,14 +118,18 @@ def server_env(
     kv_cache_gib: int = 2,
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The environment of the server: span mode on, its layout key, vLLM's settings."""
+    """The environment of the server: span mode on, its layout key, vLLM's settings.
+
+    A local model runs with ``HF_HUB_OFFLINE=1`` (nothing to download); a hub id with the
+    caller's setting (``HF_HUB_OFFLINE=0`` unless set), so vLLM can fetch it."""
     from span_vllm.contract import ENABLE_ENV, KEY_ENV
 
     env = dict(os.environ if base is None else base)
     for key, value in _ENV_DEFAULTS.items():
         env.setdefault(key, value)
+    reference, local = model_reference(model)
+    env.setdefault("HF_HUB_OFFLINE", "1" if local else "0")
     env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    resolve_model(None if model is None else str(model), progress=True)
     env[ENABLE_ENV] = "1"
     env.setdefault(KEY_ENV, secrets.token_hex(16))
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -89,14 +141,16 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
     kv_cache_gib: int = 2,
     extra_args: Sequence[str] = (),
 ) -> None:
     """Run the span server in the foreground until interrupted (replaces this process).
 
-    ``model``: ``None``/``"smollm2-135m-instruct"`` or a local Hugging Face model directory.
-    ``extra_args`` are passed to vLLM's server as is (e.g. ``["--max-model-len", "4096"]``).
+    ``model``: ``None``/``"smollm2-135m-instruct"``, a local Hugging Face model directory, or
+    a hub id (``meta-llama/Llama-3.1-8B-Instruct``). ``extra_args`` are passed to vLLM's
+    server as is, after the defaults (e.g. ``["--tensor-parallel-size", "2", "--dtype",
+    "bfloat16"]``); ``block_size=None`` means 32 on CPU, vLLM's default on a GPU.
     Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an unknown model.
     """
     cmd = server_command(model, host, port, api_key, block_size, extra_args)
@@ -111,7 +165,7 @@ def start_server_process(
     host: str = "127.0.0.1",
     port: int | None = None,
     api_key: str | None = None,
-    block_size: int = 32,
+    block_size: int | None = None,
     kv_cache_gib: int = 2,
     extra_args: Sequence[str] = (),
     *,
@@ -198,6 +252,7 @@ def _url_host(host: str) -> str:
 
 
 __all__ = [
-    "ServerStartError", "free_port", "serve", "server_command", "server_env",
+    "ServerStartError", "detect_device", "free_port", "model_reference", "serve",
+    "server_command", "server_env",
     "start_server_process", "stop_server_process",
 ]

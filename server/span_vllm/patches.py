@@ -8,8 +8,11 @@ Each patch wraps one vLLM function by name (no fork):
 * ``BlockPool.cache_full_blocks`` → never register a plus span's blocks that were computed in
   context (they attended to other spans), so a cached span always means "computed alone";
 * ``Scheduler.schedule`` → hand the step's rotations to the workers with the step's output;
-* ``GPUModelRunner._update_states`` (the CPU runner inherits it) → apply the rotations after
-  vLLM's block copies, before the forward pass (:mod:`rotation`);
+* ``GPUModelRunner._update_states`` (the CPU runner inherits it) and Model Runner V2's
+  ``update_requests`` → apply the rotations after vLLM's block copies, before the forward pass
+  (:mod:`rotation`); both runners' ``initialize_kv_cache`` → check the model can be rotated;
+* ``Scheduler.__init__`` / ``KVCacheManager.__init__`` → refuse unsupported models at start
+  (:mod:`support`);
 * ``EngineCore`` gains the utility calls ``span_probe`` and ``span_stats``.
 """
 
@@ -26,6 +29,7 @@ from span_vllm.contract import PROBE_CALL, STATS_CALL
 from span_vllm.hashing import hash_blocks, make_request_block_hasher, request_layout
 from span_vllm.positions import PositionTracker
 from span_vllm.stats import STATS
+from span_vllm.support import engine_problems, kv_cache_problems, refuse
 
 #: (module, attribute path, parameter names the patch relies on, in order)
 TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -35,7 +39,13 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.v1.core.kv_cache_utils", "generate_block_hash_extra_keys",
      ("request", "start_token_idx", "end_token_idx", "start_mm_idx")),
     ("vllm.v1.core.kv_cache_manager", "KVCacheManager.allocate_slots",
-     ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks")),
+     ("self", "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+      "reserved_blocks", "has_scheduled_reqs")),
+    ("vllm.v1.core.kv_cache_manager", "KVCacheManager.__init__",
+     ("self", "kv_cache_config")),
+    ("vllm.v1.core.sched.scheduler", "Scheduler.__init__", ("self", "vllm_config")),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.initialize_kv_cache",
+     ("self", "kv_cache_config")),
     ("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks",
      ("self", "request", "blocks", "num_cached_blocks", "num_full_blocks", "block_size",
       "kv_cache_group_id", "block_mask")),
@@ -97,6 +107,7 @@ def apply() -> None:
         key = span_config.layout_key()
         _patch_hashing(key)
         _patch_scheduler(key)
+        _patch_start_checks()
         _patch_worker()
         _patch_engine_core()
         _applied = True
@@ -225,16 +236,22 @@ def register_mask(request: Any, layout: Any, num_cached_blocks: int, num_full_bl
 
 
 def _tracker(manager: Any) -> PositionTracker:
+    """The position tracker of a KV cache manager (created when the manager was built, after
+    its configuration passed the start-time check)."""
     tracker = getattr(manager, "_span_tracker", None)
     if tracker is None:
-        managers = manager.coordinator.single_type_managers
-        if len(managers) != 1:
-            raise IncompatibleVllmError(
-                "span mode supports models with one KV cache group (full attention) only"
-            )
-        tracker = PositionTracker(managers[0].block_size, in_place=_float32_cache(manager))
+        # A manager built before the plugin was applied: check it now, still before any of
+        # its blocks is given a span position.
+        refuse(kv_cache_problems(manager.kv_cache_config), "KV cache manager")
+        tracker = _new_tracker(manager)
         manager._span_tracker = tracker
     return tracker
+
+
+def _new_tracker(manager: Any) -> PositionTracker:
+    """A position tracker for a (checked) KV cache manager."""
+    return PositionTracker(manager.coordinator.single_type_managers[0].block_size,
+                           in_place=_float32_cache(manager))
 
 
 def _float32_cache(manager: Any) -> bool:
@@ -249,23 +266,91 @@ def _float32_cache(manager: Any) -> bool:
     return dtype in (torch.float32, torch.float64)
 
 
+def _patch_start_checks() -> None:
+    """Refuse unsupported models when the engine is built, not at their first request:
+    ``Scheduler.__init__`` checks the engine configuration, ``KVCacheManager.__init__`` the
+    KV cache configuration (and creates the position tracker)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    manager_sig = inspect.signature(KVCacheManager.__init__)
+
+    def make_manager_init(original: Callable) -> Callable:
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            bound = manager_sig.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            arguments = bound.arguments
+            refuse(kv_cache_problems(arguments["kv_cache_config"],
+                                     int(arguments.get("dcp_world_size") or 1),
+                                     int(arguments.get("pcp_world_size") or 1)),
+                   "KV cache manager")
+            original(self, *args, **kwargs)
+            self._span_tracker = _new_tracker(self)
+
+        return __init__
+
+    def make_scheduler_init(original: Callable) -> Callable:
+        def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+            refuse(engine_problems(vllm_config), "engine configuration")
+            original(self, vllm_config, *args, **kwargs)
+
+        return __init__
+
+    _wrap(KVCacheManager, "__init__", make_manager_init)
+    _wrap(Scheduler, "__init__", make_scheduler_init)
+
+
 def _patch_worker() -> None:
+    """Hook both model runners where vLLM applies its own copy-on-write block copies (after
+    them, before the forward pass of the step): V1 ``_update_states`` (its CPU subclass
+    inherits it) and Model Runner V2 ``update_requests``. After either runner allocated its KV
+    cache, check that it can be rotated (refuse at start otherwise)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    def make(original: Callable) -> Callable:
-        def _update_states(self: Any, scheduler_output: Any) -> Any:
+    def make_step(original: Callable) -> Callable:
+        def step(self: Any, scheduler_output: Any) -> Any:
             result = original(self, scheduler_output)
             moves = getattr(scheduler_output, "span_rotations", None)
             if moves:
-                from span_vllm.worker import rotator_for
+                from span_vllm.worker import rotation_for
 
-                rotator, layout = rotator_for(self)
-                rotator.apply(self.kv_caches, layout, moves)
+                rotation_for(self).apply(moves)
             return result
 
-        return _update_states
+        return step
 
-    _wrap(GPUModelRunner, "_update_states", make)
+    def make_init_kv(original: Callable) -> Callable:
+        def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            from span_vllm.worker import build_rotation
+
+            self._span_rotation = build_rotation(self)  # refuses an unsupported model
+            return result
+
+        return initialize_kv_cache
+
+    _wrap(GPUModelRunner, "_update_states", make_step)
+    _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
+    for owner, name in _v2_targets():
+        _wrap(owner, name, make_step if name == "update_requests" else make_init_kv)
+
+
+def _v2_targets() -> list[tuple[Any, str]]:
+    """Model Runner V2's hooks, checked like :data:`TARGETS` (empty if V2 cannot load)."""
+    try:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as RunnerV2
+    except ImportError:  # pragma: no cover - V2 needs Triton; without it V1 runs
+        return []
+    expected = {"update_requests": ("self", "scheduler_output"),
+                "initialize_kv_cache": ("self", "kv_cache_config")}
+    for name, params in expected.items():
+        names = tuple(inspect.signature(getattr(RunnerV2, name)).parameters)
+        if names[: len(params)] != params:
+            raise IncompatibleVllmError(
+                f"vllm.v1.worker.gpu.model_runner.GPUModelRunner.{name}: parameters {names} "
+                f"no longer match {params}"
+            )
+    return [(RunnerV2, name) for name in expected]
 
 
 def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list[bool]:

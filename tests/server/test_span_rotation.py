@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from span_vllm.rotation import CpuKeyLayout, GpuKeyLayout, RopeRotator
+from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
 
 HEADS, BS, D = 3, 32, 64
 
@@ -46,41 +46,52 @@ def test_cpu_layout_gathers_and_scatters_only_keys() -> None:
     assert torch.count_nonzero(layout.gather(cache, torch.tensor([0]))) > 0
 
 
-def test_gpu_layout_gathers_and_scatters_only_keys() -> None:
-    layout = GpuKeyLayout()
-    cache = torch.randn(2, 8, BS, HEADS, D)
+def _paged(num_blocks: int = 8, r: int = 1) -> torch.Tensor:
+    """A vLLM 0.32 paged cache view ``[blocks*r, heads, tokens/r, 2*D]`` in LBNHC order
+    (physically ``[blocks*r, tokens/r, heads, 2*D]``)."""
+    return torch.randn(num_blocks * r, BS // r, HEADS, 2 * D).transpose(1, 2)
+
+
+@pytest.mark.parametrize("r", [1, 2])
+def test_paged_layout_gathers_and_scatters_only_keys(r: int) -> None:
+    layout = PagedKeyLayout(D, num_blocks=8)
+    cache = _paged(8, r)
     ids = torch.tensor([2, 3])
     got = layout.gather(cache, ids)
     assert got.shape == (2, HEADS, BS, D)
-    assert torch.equal(got, cache[0][ids].permute(0, 2, 1, 3))
-    values = cache[1].clone()
+    kernel = cache.unflatten(0, (8, r))  # manager block b = kernel blocks b*r .. b*r+r-1
+    expected = kernel[ids][..., :D].transpose(1, 2).flatten(2, 3)
+    assert torch.equal(got, expected)
+    values = cache[..., D:].clone()
     layout.scatter(cache, ids, got * 2)
-    assert torch.allclose(cache[0][ids].permute(0, 2, 1, 3), got * 2)
-    assert torch.equal(cache[1], values)
+    assert torch.allclose(layout.gather(cache, ids), got * 2)
+    assert torch.equal(cache[..., D:], values)
+    untouched = kernel[4:5][..., :D].transpose(1, 2).flatten(2, 3)
+    assert torch.equal(layout.gather(cache, torch.tensor([4])), untouched)
 
 
 def test_apply_rotates_every_layer_once_per_shared_cache() -> None:
     torch.manual_seed(1)
     rotator = RopeRotator.from_base(10000.0, D)
-    layout = GpuKeyLayout()
-    shared = torch.randn(2, 4, BS, HEADS, D)
-    other = torch.randn(2, 4, BS, HEADS, D)
+    layout = PagedKeyLayout(D, num_blocks=4)
+    shared, other = _paged(4), _paged(4)
     before_shared, before_other = shared.clone(), other.clone()
     rotator.apply([shared, shared, other], layout, [(1, 7), (3, -2)])
     expected = rotator.rotate(layout.gather(before_shared, torch.tensor([1, 3])),
                               torch.tensor([7.0, -2.0]))
     assert torch.allclose(layout.gather(shared, torch.tensor([1, 3])), expected, atol=1e-6)
-    assert torch.equal(shared[:, 0], before_shared[:, 0])
+    assert torch.equal(shared[0], before_shared[0])
     assert not torch.equal(other, before_other)
 
 
 @pytest.mark.gpu
 def test_gpu_rotation_on_device_matches_cpu() -> None:
     rotator = RopeRotator.from_base(100000.0, D)
-    cache = torch.randn(2, 16, BS, HEADS, D)
+    layout = PagedKeyLayout(D, num_blocks=16)
+    cache = _paged(16)
     gpu = cache.cuda()
-    rotator.apply([cache], GpuKeyLayout(), [(3, 100), (9, -50)])
-    rotator.apply([gpu], GpuKeyLayout(), [(3, 100), (9, -50)])
+    rotator.apply([cache], layout, [(3, 100), (9, -50)])
+    rotator.apply([gpu], layout, [(3, 100), (9, -50)])  # the fused kernel where Triton is
     assert torch.allclose(gpu.cpu(), cache, atol=1e-5)
 
 
@@ -111,10 +122,17 @@ def test_apply_on_the_cpu_layout_equals_rotating_each_block(
 
 def test_apply_keeps_a_half_precision_cache_in_its_dtype() -> None:
     torch.manual_seed(3)
-    rotator, layout = RopeRotator.from_base(10000.0, D), GpuKeyLayout()
-    cache = torch.randn(2, 4, BS, HEADS, D).to(torch.bfloat16)
+    rotator, layout = RopeRotator.from_base(10000.0, D), PagedKeyLayout(D, num_blocks=4)
+    cache = _paged(4).to(torch.bfloat16)
     reference = rotator.rotate(layout.gather(cache, torch.tensor([2])), torch.tensor([40.0]))
     rotator.apply([cache], layout, [(2, 40)])
     assert cache.dtype == torch.bfloat16
     assert torch.allclose(layout.gather(cache, torch.tensor([2])).float(), reference.float(),
                           atol=2e-2)
+
+
+def test_quantized_bytes_are_never_rotated_as_numbers() -> None:
+    rotator, layout = RopeRotator.from_base(10000.0, D), PagedKeyLayout(D, num_blocks=4)
+    cache = torch.zeros(4, HEADS, BS, 2 * D, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="quantized"):
+        rotator.apply([cache], layout, [(1, 5)])

@@ -1,0 +1,79 @@
+"""``span-workflows serve``: CPU defaults only on CPU, every other vLLM option passed through,
+hub model ids allowed when online."""
+
+from __future__ import annotations
+
+import pytest
+
+from span_workflows import cli
+from span_workflows import serve as serve_module
+from span_workflows.errors import ModelNotAvailableError
+from span_workflows.serve import model_reference, server_command, server_env
+
+
+def _flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+def test_cpu_gets_eager_fp32_and_block_32_by_default() -> None:
+    cmd = server_command(device="cpu")
+    assert "--enforce-eager" in cmd and _flag(cmd, "--dtype") == "float32"
+    assert _flag(cmd, "--block-size") == "32"
+
+
+def test_gpu_gets_only_what_is_asked() -> None:
+    cmd = server_command(device="cuda")
+    assert "--enforce-eager" not in cmd and "--dtype" not in cmd and "--block-size" not in cmd
+    assert "--enable-prefix-caching" in cmd
+    cmd = server_command(device="cuda", block_size=16,
+                         extra_args=["--tensor-parallel-size", "2", "--dtype", "bfloat16"])
+    assert cmd[-4:] == ["--tensor-parallel-size", "2", "--dtype", "bfloat16"]
+    assert _flag(cmd, "--block-size") == "16"
+
+
+def test_extra_args_come_last_so_they_win_over_cpu_defaults() -> None:
+    cmd = server_command(device="cpu", extra_args=["--dtype", "bfloat16"])
+    assert cmd[-2:] == ["--dtype", "bfloat16"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--port", "9000", "--", "--tensor-parallel-size", "2", "--max-num-seqs", "8"],
+    ["serve", "--port", "9000", "--tensor-parallel-size", "2", "--max-num-seqs", "8"],
+])
+def test_cli_passes_unknown_options_to_vllm(argv, monkeypatch) -> None:
+    seen = {}
+    monkeypatch.setattr(serve_module, "serve", lambda **kw: seen.update(kw))
+    assert cli.main(argv) == 0
+    assert seen["port"] == 9000 and seen["block_size"] is None
+    assert seen["extra_args"] == ["--tensor-parallel-size", "2", "--max-num-seqs", "8"]
+
+
+def test_other_commands_still_reject_unknown_options(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["compile", "q.json", "--tensor-parallel-size", "2"])
+    assert info.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_hub_ids_are_for_vllm_to_fetch_unless_offline(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotAvailableError):
+        model_reference("meta-llama/Llama-3.1-8B-Instruct")
+    with pytest.raises(ModelNotAvailableError):
+        model_reference(str(tmp_path / "missing-dir"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert model_reference("meta-llama/Llama-3.1-8B-Instruct") == (
+        "meta-llama/Llama-3.1-8B-Instruct", False)
+    cmd = server_command("meta-llama/Llama-3.1-8B-Instruct", device="cuda")
+    assert _flag(cmd, "--model") == "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def test_a_hub_model_is_not_forced_offline(monkeypatch, tokenizer) -> None:
+    import transformers
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: tokenizer)
+    env = server_env("org/model", base={})
+    assert env["HF_HUB_OFFLINE"] == "0" and env["SPAN_VLLM"] == "1"
+    assert server_env(None, base={})["HF_HUB_OFFLINE"] == "1"  # the bundled, local model
