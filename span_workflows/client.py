@@ -24,6 +24,7 @@ import httpx
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Node
 from span_workflows.json_ir import to_obj
+from span_workflows.layout import SpanOptions
 from span_workflows.result import Metrics, Result
 
 EXECUTE_PATH = "/v1/query/execute"
@@ -68,27 +69,39 @@ class SpanServer:
                                     timeout=timeout, transport=transport)
 
     # -- public API -----------------------------------------------------------------------------
-    def execute(self, query: Node | dict | list | str, *, optimize_query: bool = True) -> Result:
-        """Run one query (a tree, or its JSON text/value) and return its result."""
-        body = _body(query, stream=False, optimize_query=optimize_query)
+    def execute(self, query: Node | dict | list | str, *, optimize_query: bool = True,
+                span_options: SpanOptions | str | None = None,
+                cache_salt: str | None = None) -> Result:
+        """Run one query (a tree, or its JSON text/value) and return its result.
+        ``span_options`` override the server's (what spans attend to, their layout);
+        ``cache_salt`` keeps the query's cached KV apart from every other salt's."""
+        body = _body(query, stream=False, optimize_query=optimize_query,
+                     span_options=span_options, cache_salt=cache_salt)
         response = self._send(lambda: self._client.post(EXECUTE_PATH, json=body))
         return _result(self._json(response))
 
     def execute_many(self, queries: Sequence[Node | dict | list | str], *,
-                     optimize_query: bool = True, max_concurrency: int = 16) -> list[Result]:
+                     optimize_query: bool = True, max_concurrency: int = 16,
+                     span_options: SpanOptions | str | None = None,
+                     cache_salt: str | None = None) -> list[Result]:
         """Run several queries concurrently (the server batches them); results in order."""
         if not queries:
             return []
         workers = max(1, min(max_concurrency, len(queries)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(
-                lambda q: self.execute(q, optimize_query=optimize_query), queries
+                lambda q: self.execute(q, optimize_query=optimize_query,
+                                       span_options=span_options, cache_salt=cache_salt),
+                queries,
             ))
 
     async def aexecute(self, query: Node | dict | list | str, *,
-                       optimize_query: bool = True) -> Result:
+                       optimize_query: bool = True,
+                       span_options: SpanOptions | str | None = None,
+                       cache_salt: str | None = None) -> Result:
         """Async :meth:`execute`."""
-        body = _body(query, stream=False, optimize_query=optimize_query)
+        body = _body(query, stream=False, optimize_query=optimize_query,
+                     span_options=span_options, cache_salt=cache_salt)
         async with self._async_client() as client:
             for attempt in range(self.retries + 1):
                 try:
@@ -101,9 +114,12 @@ class SpanServer:
         return _result(self._json(response))
 
     def stream(self, query: Node | dict | list | str, *,
-               optimize_query: bool = True) -> Iterator[str]:
+               optimize_query: bool = True,
+               span_options: SpanOptions | str | None = None,
+               cache_salt: str | None = None) -> Iterator[str]:
         """Yield the answer's text as it is generated (deltas; they concatenate to ``text``)."""
-        body = _body(query, stream=True, optimize_query=optimize_query)
+        body = _body(query, stream=True, optimize_query=optimize_query,
+                     span_options=span_options, cache_salt=cache_salt)
         for attempt in range(self.retries + 1):
             try:
                 with self._client.stream("POST", EXECUTE_PATH, json=body) as response:
@@ -124,9 +140,12 @@ class SpanServer:
                 time.sleep(_RETRY_DELAY_S)
 
     async def astream(self, query: Node | dict | list | str, *,
-                      optimize_query: bool = True) -> AsyncIterator[str]:
+                      optimize_query: bool = True,
+                      span_options: SpanOptions | str | None = None,
+                      cache_salt: str | None = None) -> AsyncIterator[str]:
         """Async :meth:`stream`."""
-        body = _body(query, stream=True, optimize_query=optimize_query)
+        body = _body(query, stream=True, optimize_query=optimize_query,
+                     span_options=span_options, cache_salt=cache_salt)
         async with self._async_client() as client:
             try:
                 async with client.stream("POST", EXECUTE_PATH, json=body) as response:
@@ -206,7 +225,9 @@ def _retryable(exc: httpx.TransportError) -> bool:
     return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
-def _body(query: Node | dict | list | str, *, stream: bool, optimize_query: bool) -> dict:
+def _body(query: Node | dict | list | str, *, stream: bool, optimize_query: bool,
+          span_options: SpanOptions | str | None = None,
+          cache_salt: str | None = None) -> dict:
     if isinstance(query, str):
         from span_workflows.json_ir import from_json
 
@@ -215,6 +236,10 @@ def _body(query: Node | dict | list | str, *, stream: bool, optimize_query: bool
     body: dict[str, Any] = {"query": obj, "stream": stream}
     if not optimize_query:
         body["optimize"] = False
+    if span_options is not None:
+        body["span_options"] = SpanOptions.coerce(span_options).as_dict()
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return body
 
 

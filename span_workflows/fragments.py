@@ -284,28 +284,34 @@ def set_default_engine(engine: Any) -> None:
         _default_engine = engine
 
 
-def run_query(query: Node, *, engine: Any = None, server: Any = None) -> Any:
+def run_query(query: Node, *, engine: Any = None, server: Any = None,
+              **options: Any) -> Any:
     """Run ``query`` on ``server`` (a ``SpanServer``) if given, else on ``engine`` or the
-    shared :func:`default_engine`; returns its ``Result``."""
+    shared :func:`default_engine`; returns its ``Result``. ``options``: ``span_options``,
+    ``cache_salt`` (``None`` values are left out)."""
+    options = {k: v for k, v in options.items() if v is not None}
     if server is not None:
-        return server.execute(query)
-    return (engine or default_engine()).execute(query)
+        return server.execute(query, **options)
+    return (engine or default_engine()).execute(query, **options)
 
 
-async def arun_query(query: Node, *, engine: Any = None, server: Any = None) -> Any:
+async def arun_query(query: Node, *, engine: Any = None, server: Any = None,
+                     **options: Any) -> Any:
     """Async :func:`run_query`: the server call is native async, the embedded engine runs in a
     worker thread, so the event loop is never blocked."""
     if server is not None:
-        return await server.aexecute(query)
+        options = {k: v for k, v in options.items() if v is not None}
+        return await server.aexecute(query, **options)
     import asyncio
 
-    return await asyncio.to_thread(run_query, query, engine=engine)
+    return await asyncio.to_thread(run_query, query, engine=engine, **options)
 
 
 class QueryRunner:
     """What a framework model (LangChain chat model, LlamaIndex LLM) needs to run span queries:
     mixed into a model that has ``engine``, ``server_url``, a ``_get_server()`` building its
-    ``SpanServer`` and a private ``_last_result``."""
+    ``SpanServer`` and a private ``_last_result``, and may have ``span_options`` and
+    ``cache_salt`` fields (passed with every query)."""
 
     @property
     def last_result(self) -> Any:
@@ -315,16 +321,21 @@ class QueryRunner:
     def execute(self, query: Node) -> Any:
         """Run any span query on this model's engine or server; returns its ``Result``."""
         self._last_result = run_query(query, engine=self.engine,  # type: ignore[attr-defined]
-                                      server=self._server_or_none())
+                                      server=self._server_or_none(), **self._query_options())
         return self._last_result
 
     async def aexecute(self, query: Node) -> Any:
         """Async :meth:`execute`: the engine call runs in a worker thread, the server call is
         native async; the event loop is never blocked."""
         self._last_result = await arun_query(
-            query, engine=self.engine, server=self._server_or_none()  # type: ignore[attr-defined]
+            query, engine=self.engine, server=self._server_or_none(),  # type: ignore[attr-defined]
+            **self._query_options(),
         )
         return self._last_result
+
+    def _query_options(self) -> dict[str, Any]:
+        return {"span_options": getattr(self, "span_options", None),
+                "cache_salt": getattr(self, "cache_salt", None)}
 
     def _server_or_none(self) -> Any:
         return self._get_server() if self.server_url else None  # type: ignore[attr-defined]

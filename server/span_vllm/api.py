@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import time
 import uuid
 from argparse import Namespace
@@ -557,6 +558,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "model_tag", None) and not args.model:
         args.model = args.model_tag
+    data_parallel = int(getattr(args, "data_parallel_size", 1) or 1)
+    if data_parallel > 1:
+        print(f"span server: error: --data-parallel-size {data_parallel} is not supported: "
+              "each rank has its own span cache and a query's requests would be split "
+              "between them; run one server per rank", file=sys.stderr)
+        raise SystemExit(2)
     prepare_environment()
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)

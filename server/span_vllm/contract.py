@@ -53,7 +53,8 @@ STAT_HELP: dict[str, str] = {
     "repositioned_tokens": "tokens whose cached keys were re-rotated to a new position",
     "duplicated_blocks": "cached blocks copied because another request read them elsewhere",
     "unregistered_blocks": "blocks computed over spans in context and kept out of the cache",
-    "deferred_hits": "cache hits put off a step because their KV was not computed yet",
+    "deferred_hits": "requests put off a step: a hit's KV not computed yet, or no room for "
+                     "the copies its hits need",
     "refused_hits": "cache hits given up (computed instead) for lack of a free block to copy to",
 }
 

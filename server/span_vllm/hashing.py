@@ -71,6 +71,11 @@ class BlockLayout:
         """Index of the segment holding ``block`` (-1 for the ordered prefix)."""
         return bisect.bisect_right(self.starts, block) - 1
 
+    def is_span(self, block: int) -> bool:
+        """Whether ``block`` belongs to a commutative span (anchored or isolated)."""
+        i = self.segment_of(block)
+        return i >= 0 and self.kinds[i] != ORDERED
+
     def computed_in_context(self, block: int) -> bool:
         """Whether ``block``, if this request computes it, attends to more than its hash says:
         it belongs to a span that does not open its group (anchored) or does not start the

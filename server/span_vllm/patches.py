@@ -161,6 +161,8 @@ def _patch_scheduler(key: str) -> None:
                 copies = admission.copies
             bound.arguments["reserved_blocks"] += copies
             result = original(*bound.args, **bound.kwargs)
+            if result is None and copies:
+                STATS.deferred_hits += 1  # (at least) the copies did not fit: wait
             if result is None and copies and not bound.arguments["has_scheduled_reqs"]:
                 # Nothing else runs, so no block will be freed by waiting: adopt the hits
                 # without the reserve and move cached blocks in place where nobody reads them.
@@ -168,12 +170,17 @@ def _patch_scheduler(key: str) -> None:
                 bound.arguments["reserved_blocks"] -= copies
                 result = original(*bound.args, **bound.kwargs)
                 if result is not None:
-                    tracker.after_allocate(self, request, new_computed, in_place=True)
+                    tracker.after_allocate(self, request, new_computed, in_place=True,
+                                           layout=_layout_of(request, tracker))
                 return result
             if result is not None:
                 tracker.reserve(copies)
-                tracker.after_allocate(self, request, new_computed)
+                tracker.after_allocate(self, request, new_computed,
+                                       layout=_layout_of(request, tracker))
             return result
+
+        def _layout_of(request: Any, tracker: PositionTracker) -> Any:
+            return request_layout(request, tracker.block_size, key)
 
         return allocate_slots
 
@@ -221,9 +228,7 @@ def register_mask(request: Any, layout: Any, num_cached_blocks: int, num_full_bl
     tainted = getattr(request, "_span_tainted_from", None)
     keep: list[bool] = []
     for offset, index in enumerate(range(num_cached_blocks, num_full_blocks)):
-        segment = layout.segment_of(index)
-        is_span = segment >= 0 and layout.kinds[segment] != "ordered"
-        if is_span:
+        if layout.is_span(index):
             STATS.miss_blocks += 1
         if tainted is None and layout.computed_in_context(index):
             tainted = index

@@ -82,10 +82,12 @@ class PositionTracker:
         self._reserved += copies
 
     def after_allocate(self, manager: Any, request: Any, num_new_computed_tokens: int, *,
-                       in_place: bool | None = None) -> None:
+                       in_place: bool | None = None, layout: Any = None) -> None:
         """Record positions for ``request``'s blocks after ``allocate_slots`` succeeded, and plan
         the rotations/copies its newly adopted cache hits need (``in_place=True``: rotate
-        unshared blocks in place whatever the cache dtype, when no copy was reserved)."""
+        unshared blocks in place whatever the cache dtype, when no copy was reserved).
+        ``layout`` (the request's :class:`~span_vllm.hashing.BlockLayout`, if any) decides
+        which hits count as span hits in the statistics."""
         single = manager.coordinator.single_type_managers[0]
         blocks = single.req_to_blocks[request.request_id]
         first_hit = request.num_computed_tokens // self.block_size
@@ -93,6 +95,8 @@ class PositionTracker:
         allow = self.in_place if in_place is None else in_place
         for index in range(first_hit, end_hit):
             self._place_hit(manager, single, request, blocks, index, allow)
+            if layout is not None and layout.is_span(index):
+                STATS.hit_blocks += 1
         self._reserved = 0
         for index in range(end_hit, len(blocks)):
             block = blocks[index]
@@ -108,7 +112,6 @@ class PositionTracker:
         target = index * self.block_size
         current = self.positions.get(block.block_id, target)
         if current == target:
-            STATS.hit_blocks += 1
             return
         original = self._step_start.get(block.block_id, current)
         if in_place and block.ref_cnt <= 1:
@@ -126,7 +129,6 @@ class PositionTracker:
             # The copy runs before this step's rotations: it sees the step-start content.
             self._rotate(copy.block_id, target - original, original)
             self.positions[copy.block_id] = target
-        STATS.hit_blocks += 1
         STATS.repositioned_tokens += self.block_size
 
     def _rotate(self, block_id: int, delta: int, original: int) -> None:

@@ -61,6 +61,12 @@ def engine_problems(vllm_config: Any) -> list[str]:
         if size > 1:
             problems.append(f"context parallelism ({flag} {size}) shards a block's tokens "
                             "across ranks")
+    data_parallel = int(getattr(parallel, "data_parallel_size", 1) or 1)
+    if data_parallel > 1:
+        problems.append(f"data parallelism (--data-parallel-size {data_parallel}) runs one "
+                        "engine per rank, each with its own span cache, and routes a query's "
+                        "prepare and main requests to different ones; run one server per "
+                        "rank behind span-aware routing instead")
     attention = getattr(vllm_config, "attention_config", None)
     if getattr(attention, "hisparse_config", None) is not None:
         problems.append("HiSparse keeps KV pages on the host and moves them itself")

@@ -93,6 +93,28 @@ def test_context_parallel_and_connectors_are_refused() -> None:
         assert word in text
 
 
+def test_data_parallel_engines_are_refused_when_the_scheduler_is_built() -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    patches._patch_start_checks()
+    config = types.SimpleNamespace(
+        kv_transfer_config=None,
+        parallel_config=types.SimpleNamespace(data_parallel_size=2),
+    )
+    with pytest.raises(UnsupportedModelError, match="data-parallel-size 2"):
+        Scheduler(config, _config(_full()), None, BLOCK)
+
+
+def test_the_launcher_refuses_data_parallel_before_starting_anything(capsys) -> None:
+    from span_vllm import api
+
+    with pytest.raises(SystemExit) as info:
+        api.main(["--model", "/nonexistent", "--data-parallel-size", "2"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data-parallel-size 2" in err[0]
+
+
 def _manager(config):
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 

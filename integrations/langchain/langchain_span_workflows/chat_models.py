@@ -75,6 +75,11 @@ class SpanChatModel(BaseChatModel, QueryRunner):
     timeout: float | None = None
     max_retries: int = 0
     streaming: bool = False
+    span_options: Any = None
+    """What spans attend to and how they are laid out (``"prefix"``, ``"self"``, a dict or a
+    ``span_workflows.layout.SpanOptions``); ``None``: the engine's or server's default."""
+    cache_salt: str | None = None
+    """vLLM cache salt: this model's cached KV, spans included, is shared with no other salt."""
 
     _server: Any = PrivateAttr(default=None)
     _last_result: Any = PrivateAttr(default=None)

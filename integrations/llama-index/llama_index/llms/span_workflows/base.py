@@ -52,6 +52,12 @@ class SpanLLM(CustomLLM, QueryRunner):
     max_tokens: int = Field(default=256, description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, description="Sampling temperature.")
     context_window: int = Field(default=8192, description="Context window in tokens.")
+    span_options: Any = Field(default=None, description=(
+        "What spans attend to and their layout: 'prefix', 'self', a dict or SpanOptions; "
+        "None: the engine's or server's default."))
+    cache_salt: str | None = Field(default=None, description=(
+        "vLLM cache salt: this model's cached KV, spans included, is shared with no other "
+        "salt."))
 
     _server: Any = PrivateAttr(default=None)
     _last_result: Any = PrivateAttr(default=None)
