@@ -18,6 +18,7 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
+    NODE_TYPES,
     Assistant,
     Chat,
     Cross,
@@ -30,7 +31,7 @@ from span_workflows.ir import (
     System,
     User,
 )
-from span_workflows.validate import NODE_TYPES, validate
+from span_workflows.validate import validate
 
 #: What builders accept where a node is expected: a node, or a str meaning a user message.
 NodeLike = Node | str

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Generate, Node, iter_nodes
+from span_workflows.ir import Generate, Node, iter_nodes, rewrite_bottom_up
 from span_workflows.json_ir import from_json
 
 
@@ -140,8 +140,6 @@ def pick_model(queries: Sequence[Node], override: str | None) -> tuple[str | Non
 
 def with_model(node: Node, model: str | None) -> Node:
     """``node`` with every g's ``model`` replaced."""
-    from span_workflows.optimize import rewrite_bottom_up
-
     def rule(n: Node) -> Node:
         if isinstance(n, Generate) and n.model != model:
             return dataclasses.replace(n, model=model)

@@ -45,8 +45,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Fragment, Plus
-from span_workflows.validate import NODE_TYPES
+from span_workflows.ir import NODE_TYPES, Fragment, Plus
 
 F = TypeVar("F", bound=Callable[..., Any])
 

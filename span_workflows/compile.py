@@ -42,6 +42,7 @@ from span_workflows.ir import (
     Plus,
     Prepare,
     User,
+    child_path,
 )
 from span_workflows.layout import LayoutTokens, SpanOptions
 from span_workflows.render import ChatRenderer, role_of
@@ -159,11 +160,11 @@ def nested_generations(g: Generate) -> list[tuple[str, Generate]]:
         if isinstance(node, Generate):
             found.append((path, node))
         elif isinstance(node, Plus):
-            stack.extend((f"{path}.plus[{i}]", c) for i, c in enumerate(node.children))
+            stack.extend((child_path(path, node, i), c) for i, c in enumerate(node.children))
         elif isinstance(node, Cross):
-            stack.extend((f"{path}.cross[{i}]", c) for i, c in enumerate(node.children))
+            stack.extend((child_path(path, node, i), c) for i, c in enumerate(node.children))
         elif isinstance(node, Prepare):
-            stack.append((f"{path}.prepare", node.child))
+            stack.append((child_path(path, node), node.child))
     found.sort(key=lambda item: item[0])
     return found
 
@@ -257,7 +258,7 @@ class _Builder:
                     self._ordered(run, generation_prompt=False)
                     run = []
                 plus = node.child if isinstance(node, Prepare) else node
-                base = f"{path}.prepare" if isinstance(node, Prepare) else path
+                base = child_path(path, node) if isinstance(node, Prepare) else path
                 self._group(base, plus)
             else:
                 run.extend(self._ordered_messages(path, node))
@@ -283,7 +284,7 @@ class _Builder:
         stage: list[SpanPrompt] = []
         for i, child in enumerate(plus.children):
             offset = len(self.tokens)
-            kind, seg = self._span(f"{base}.plus[{i}]", child)
+            kind, seg = self._span(child_path(base, plus, i), child)
             self.segments.append((offset, kind))
             if kind == ANCHORED:
                 stage.append(SpanPrompt(context.token_ids + tuple(seg),
@@ -303,7 +304,7 @@ class _Builder:
         if isinstance(node, Cross):
             msgs: list[Message] = []
             for i, child in enumerate(node.children):
-                msgs.extend(self._ordered_messages(f"{path}.cross[{i}]", child))
+                msgs.extend(self._ordered_messages(child_path(path, node, i), child))
             return msgs
         raise SpanQueryError(path, f"cannot place {type(node).__name__} in an ordered run")
 
@@ -374,7 +375,7 @@ class _Builder:
 
 def _top_items(node: Node) -> list[tuple[str, Node]]:
     if isinstance(node, Cross):
-        return [(f"input.cross[{i}]", c) for i, c in enumerate(node.children)]
+        return [(child_path("input", node, i), c) for i, c in enumerate(node.children)]
     return [("input", node)]
 
 
@@ -384,7 +385,7 @@ def _messages_of(node: Node, path: str) -> list[Message]:
     if isinstance(node, Cross):
         msgs: list[Message] = []
         for i, child in enumerate(node.children):
-            msgs.extend(_messages_of(child, f"{path}.cross[{i}]"))
+            msgs.extend(_messages_of(child, child_path(path, node, i)))
         return msgs
     raise SpanQueryError(path, f"a span must be made of messages, not {type(node).__name__}")
 
@@ -404,12 +405,12 @@ def _flatten_stock(
                 raise SpanQueryError(path, "nested generation has no output yet")
             out.extend(_messages_of_inline(node) + [Assistant(result.text)])
         elif isinstance(node, (Plus, Cross)):
-            key = "plus" if isinstance(node, Plus) else "cross"
             stack.extend(
-                (f"{path}.{key}[{i}]", c) for i, c in reversed(list(enumerate(node.children)))
+                (child_path(path, node, i), c)
+                for i, c in reversed(list(enumerate(node.children)))
             )
         elif isinstance(node, Prepare):
-            stack.append((f"{path}.prepare", node.child))
+            stack.append((child_path(path, node), node.child))
         else:
             raise SpanQueryError(path, f"cannot place {type(node).__name__} in a chat")
     return out

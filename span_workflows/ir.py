@@ -14,13 +14,27 @@ Sugar, removed by :mod:`span_workflows.optimize`: :class:`Chat` (G over a cross 
 and :class:`Prepare` (compute each child's KV alone before use).
 
 All nodes are frozen dataclasses: hashable, comparable, safe to share between trees.
+
+This module is also the one home of a tree's *shape*: which node types exist
+(:data:`NODE_TYPES`), a node's children (:func:`children_of`, :func:`with_children`), the
+paths that name nodes in errors and results (:func:`join_path`, :func:`child_segment`,
+:func:`child_path`, :func:`walk`) and the iterative bottom-up traversals every pass is built
+from (:func:`fold_bottom_up`, :func:`rewrite_bottom_up`).
+
+**Paths.** Segments are joined with ``.``; an index segment ``[i]`` attaches without one. A G
+contributes ``input``; a child of a plus ``plus[i]``, of a cross ``cross[i]``, of a seq
+``seq[i]`` (``[i]`` when the seq was spelled as a bare JSON list); a chat message
+``chat.messages[i]``; the G of a repeat ``repeat.g``; a retrieved fragment
+``retrieve.fragments[i]``; the plus of a prepare ``prepare``. The third child of the cross that
+is the root G's input is ``input.cross[2]``; the root itself is ``""``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
@@ -203,6 +217,11 @@ Node = (
 )
 MESSAGE_TYPES = (System, User, Assistant, Fragment)
 JOIN_TYPES = (Plus, Cross, Seq)
+#: Every node type of the IR.
+NODE_TYPES: tuple[type, ...] = (
+    System, User, Assistant, Fragment, Plus, Cross, Seq, Generate, Chat, Retrieve, Prepare,
+    Repeat, Map,
+)
 
 
 def children_of(node: Node) -> tuple[Node, ...]:
@@ -222,6 +241,77 @@ def children_of(node: Node) -> tuple[Node, ...]:
     return ()
 
 
+def with_children(node: Node, kids: tuple[Node, ...]) -> Node:
+    """``node`` with its children (as :func:`children_of` lists them) replaced by ``kids``."""
+    if isinstance(node, (Plus, Cross, Seq)):
+        return dataclasses.replace(node, children=kids)
+    if isinstance(node, Generate):
+        return dataclasses.replace(node, input=kids[0])
+    if isinstance(node, Chat):
+        return dataclasses.replace(node, messages=kids)
+    if isinstance(node, Retrieve):
+        return dataclasses.replace(node, fragments=kids)
+    if isinstance(node, Prepare):
+        return Prepare(kids[0])  # type: ignore[arg-type]
+    if isinstance(node, Repeat):
+        return Repeat(node.n, kids[0])  # type: ignore[arg-type]
+    raise TypeError(f"{type(node).__name__} has no children")
+
+
+def join_path(path: str, segment: str) -> str:
+    """``path`` extended by ``segment``.
+
+    ``join_path("a", "b")`` is ``"a.b"``; an index attaches directly: ``join_path("a", "[0]")``
+    is ``"a[0]"``; ``join_path("", "b")`` is ``"b"``.
+    """
+    if not path:
+        return segment
+    if segment.startswith("["):
+        return path + segment
+    return f"{path}.{segment}"
+
+
+def child_segment(parent: Node, index: int) -> str:
+    """The path segment of the ``index``-th entry of ``children_of(parent)``."""
+    if isinstance(parent, Plus):
+        return f"plus[{index}]"
+    if isinstance(parent, Cross):
+        return f"cross[{index}]"
+    if isinstance(parent, Seq):
+        return f"[{index}]" if parent.as_list is True else f"seq[{index}]"
+    if isinstance(parent, Generate):
+        return "input"
+    if isinstance(parent, Chat):
+        return f"chat.messages[{index}]"
+    if isinstance(parent, Retrieve):
+        return f"retrieve.fragments[{index}]"
+    if isinstance(parent, Prepare):
+        return "prepare"
+    if isinstance(parent, Repeat):
+        return "repeat.g"
+    raise TypeError(f"{type(parent).__name__} has no children")
+
+
+def child_path(path: str, parent: Node, index: int = 0) -> str:
+    """The path of the ``index``-th child of ``parent``, which sits at ``path``."""
+    return join_path(path, child_segment(parent, index))
+
+
+def walk(node: Node) -> Iterator[tuple[str, Node]]:
+    """Yield ``(path, node)`` for every node of a *valid* tree, depth first, left to right.
+
+    Iterative, so deep trees are fine. A subtree shared by several parents is yielded once per
+    use. Use it to report later errors (e.g. in a compiler) with the validator's paths.
+    """
+    stack: list[tuple[str, Node]] = [("", node)]
+    while stack:
+        path, current = stack.pop()
+        yield path, current
+        kids = children_of(current)
+        for i in range(len(kids) - 1, -1, -1):
+            stack.append((child_path(path, current, i), kids[i]))
+
+
 def fold_bottom_up(node: Node, combine: Callable[[Node, list[T]], T]) -> T:
     """``combine(n, [value of each child of n])`` for every node, children first; the value of
     ``node``. Iterative (trees as deep as the validator allows are fine); a node object that
@@ -239,6 +329,23 @@ def fold_bottom_up(node: Node, combine: Callable[[Node, list[T]], T]) -> T:
             continue
         done[id(current)] = combine(current, [done[id(k)] for k in kids])
     return done[id(node)]
+
+
+def rewrite_bottom_up(node: Node, rule: Callable[[Node], Node]) -> Node:
+    """Apply ``rule`` to every node, children first, rebuilding parents whose children changed.
+
+    ``rule`` receives a node whose children were already rewritten and returns its
+    replacement (the node itself when nothing changes). Iterative; each distinct object is
+    rewritten once. Returns ``node`` itself when no rule changed anything.
+    """
+
+    def combine(current: Node, new_kids: list[Node]) -> Node:
+        kids = children_of(current)
+        if any(a is not b for a, b in zip(new_kids, kids, strict=True)):
+            current = with_children(current, tuple(new_kids))
+        return rule(current)
+
+    return fold_bottom_up(node, combine)
 
 
 def content_hash(node: Node) -> str:
@@ -284,7 +391,7 @@ class _Literal(str):
     __slots__ = ()
 
 
-def iter_nodes(node: Node):
+def iter_nodes(node: Node) -> Iterator[Node]:
     """Yield every node of the tree, depth first (iterative: deep trees are fine)."""
     stack: list[Node] = [node]
     while stack:
@@ -300,7 +407,8 @@ def _short(text: str, width: int = 24) -> str:
 
 __all__ = [
     "Assistant", "Chat", "Cross", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "Fragment",
-    "Generate", "JOIN_TYPES", "MESSAGE_TYPES", "Map", "Message", "Node", "Plus", "Prepare",
-    "Repeat", "Retrieve", "Seq", "System", "User", "children_of", "content_hash",
-    "fold_bottom_up", "iter_nodes",
+    "Generate", "JOIN_TYPES", "MESSAGE_TYPES", "Map", "Message", "NODE_TYPES", "Node", "Plus",
+    "Prepare", "Repeat", "Retrieve", "Seq", "System", "User", "child_path", "child_segment",
+    "children_of", "content_hash", "fold_bottom_up", "iter_nodes", "join_path",
+    "rewrite_bottom_up", "walk", "with_children",
 ]

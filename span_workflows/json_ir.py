@@ -54,8 +54,9 @@ from span_workflows.ir import (
     System,
     User,
     fold_bottom_up,
+    join_path,
 )
-from span_workflows.validate import MAX_DEPTH, join_path, validate
+from span_workflows.validate import MAX_DEPTH, validate
 
 #: The deepest JSON bracket nesting read. Generous: any tree of at most ``MAX_DEPTH`` levels
 #: fits (no node spelling uses more than three brackets per level); the tree depth itself is

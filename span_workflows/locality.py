@@ -39,6 +39,7 @@ from span_workflows.ir import (
     Plus,
     children_of,
     content_hash,
+    rewrite_bottom_up,
 )
 
 #: The smallest plus the rewrite touches.
@@ -51,8 +52,6 @@ def tournament(node: Node, fanin: int = 2) -> Node:
     Returns ``node`` itself when no judge qualifies (see the module docstring). Raises
     ``ValueError`` unless ``fanin`` is an int >= 2.
     """
-    from span_workflows.optimize import rewrite_bottom_up
-
     _check_fanin(fanin)
     return rewrite_bottom_up(node, lambda current: _rewrite_judge(current, fanin))
 

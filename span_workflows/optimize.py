@@ -15,6 +15,9 @@ Each pass is a pure function ``Node -> Node`` (listed in :data:`PASSES`, applied
   :func:`~span_workflows.ir.content_hash`, so the same spans in any order give an identical
   tree.
 
+:func:`ordered_for_stock` applies every pass but the canonical order (the stock baseline keeps
+the order given); :mod:`span_workflows.locality` holds the optional attention-locality pass.
+
 Normal form guaranteed by :func:`optimize`: only System, User, Assistant, Fragment, Plus,
 Cross, Generate and Prepare nodes remain; no plus has a plus or prepare child; no cross has a
 cross child or a single child; a prepare wraps a plus; every G that is a child of a plus has
@@ -45,47 +48,12 @@ from span_workflows.ir import (
     Retrieve,
     Seq,
     User,
-    children_of,
     content_hash,
-    fold_bottom_up,
+    rewrite_bottom_up,
 )
 from span_workflows.validate import validate
 
 Pass = Callable[[Node], Node]
-
-
-def rewrite_bottom_up(node: Node, rule: Callable[[Node], Node]) -> Node:
-    """Apply ``rule`` to every node, children first, rebuilding parents whose children changed.
-
-    ``rule`` receives a node whose children were already rewritten and returns its
-    replacement (the node itself when nothing changes). Iterative; each distinct object is
-    rewritten once. Returns ``node`` itself when no rule changed anything.
-    """
-
-    def combine(current: Node, new_kids: list[Node]) -> Node:
-        kids = children_of(current)
-        if any(a is not b for a, b in zip(new_kids, kids, strict=True)):
-            current = _with_children(current, tuple(new_kids))
-        return rule(current)
-
-    return fold_bottom_up(node, combine)
-
-
-def _with_children(node: Node, kids: tuple[Node, ...]) -> Node:
-    """``node`` with its children (as :func:`children_of` lists them) replaced by ``kids``."""
-    if isinstance(node, (Plus, Cross, Seq)):
-        return dataclasses.replace(node, children=kids)
-    if isinstance(node, Generate):
-        return dataclasses.replace(node, input=kids[0])
-    if isinstance(node, Chat):
-        return dataclasses.replace(node, messages=kids)
-    if isinstance(node, Retrieve):
-        return dataclasses.replace(node, fragments=kids)
-    if isinstance(node, Prepare):
-        return Prepare(kids[0])  # type: ignore[arg-type]
-    if isinstance(node, Repeat):
-        return Repeat(node.n, kids[0])  # type: ignore[arg-type]
-    raise TypeError(f"{type(node).__name__} has no children")
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +215,20 @@ def optimize(node: Node, *, max_rounds: int = 64, locality_fanin: int | None = N
     raise RuntimeError(f"optimize reached no fixed point within {max_rounds} rounds")
 
 
+def ordered_for_stock(query: Node, *, max_rounds: int = 64) -> Node:
+    """The stock baseline's normal form: every pass of :func:`optimize` but
+    :func:`canonical_order`, so a plain chat prompt keeps its plus children in the order
+    given."""
+    node = query
+    for _ in range(max_rounds):
+        new = distribute(flatten(desugar(node)))
+        if new is node:
+            break
+        node = new
+    return node
+
+
 __all__ = [
     "PASSES", "Pass", "canonical_order", "desugar", "distribute", "flatten", "optimize",
-    "rewrite_bottom_up",
+    "ordered_for_stock",
 ]

@@ -38,9 +38,9 @@ from span_workflows.compile import (
     nested_generations,
 )
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Cross, Generate, Node, Plus
+from span_workflows.ir import Cross, Generate, Node, Plus, child_path
 from span_workflows.layout import SpanOptions
-from span_workflows.optimize import optimize
+from span_workflows.optimize import optimize, ordered_for_stock
 from span_workflows.result import Metrics, Result
 
 
@@ -149,10 +149,9 @@ class Planner:
                   settings: QuerySettings | None = None) -> Plan:
         """A top-level join: a plus runs its G's together, a cross one after another."""
         started = time.perf_counter()
-        key = "plus" if isinstance(node, Plus) else "cross"
         for i, child in enumerate(node.children):
             if not isinstance(child, Generate):
-                raise SpanQueryError(f"{key}[{i}]", "a top-level join must join G's")
+                raise SpanQueryError(child_path("", node, i), "a top-level join must join G's")
         if isinstance(node, Plus):
             parts = yield from gather([
                 self.plan_generate(c, span_mode, inline=False, part=i, settings=settings)
@@ -359,21 +358,8 @@ async def _all(coros: Any) -> list[Any]:
         raise
 
 
-def ordered_for_stock(query: Node) -> Node:
-    """Desugar without canonical reordering, so stock prompts keep the order given."""
-    from span_workflows.optimize import desugar, distribute, flatten
-
-    node = query
-    for _ in range(64):
-        new = distribute(flatten(desugar(node)))
-        if new == node:
-            break
-        node = new
-    return node
-
-
 __all__ = [
     "Metrics", "Output", "Plan", "Planner", "Probe", "QuerySettings", "Request", "Result", "Step",
     "check_fits",
-    "drive", "drive_async", "gather", "missing", "ordered_for_stock",
+    "drive", "drive_async", "gather", "missing",
 ]

@@ -2,16 +2,9 @@
 
 :func:`validate` walks the tree with an explicit stack (no recursion) and raises
 :class:`~span_workflows.errors.SpanQueryError` for the first bad node in depth-first, left to
-right order. The error's ``path`` names that node with the convention the JSON parser uses:
-
-* segments are joined with ``.``, an index segment ``[i]`` attaches without one;
-* a G contributes ``input``; a child of a plus ``plus[i]``, of a cross ``cross[i]``, of a seq
-  ``seq[i]`` (``[i]`` when the seq was spelled as a bare JSON list); a chat message
-  ``chat.messages[i]``; the G of a repeat ``repeat.g``; a map input ``map.inputs[i]``; a
-  retrieved fragment ``retrieve.fragments[i]``; the plus of a prepare ``prepare``.
-
-For example the third child of the cross that is the root G's input is ``input.cross[2]``; the
-root itself is ``""``.
+right order. The error's ``path`` names that node with the convention of
+:mod:`span_workflows.ir` (the JSON parser uses it too; a map input is ``map.inputs[i]``), e.g.
+``input.cross[2]`` for the third child of the cross that is the root G's input.
 
 Limits: at most :data:`MAX_DEPTH` levels (nodes on a root-to-leaf path, where a chat or a
 retrieve counts as the two levels and a map as the three it stands for), and at most
@@ -22,17 +15,16 @@ once per use), so that no later pass or compiler can be driven into unbounded wo
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
+    NODE_TYPES,
     Assistant,
     Chat,
     Cross,
     Fragment,
     Generate,
     Map,
-    Node,
     Plus,
     Prepare,
     Repeat,
@@ -40,7 +32,9 @@ from span_workflows.ir import (
     Seq,
     System,
     User,
+    child_path,
     children_of,
+    join_path,
 )
 
 #: The deepest tree accepted, counted in nodes from the root to a leaf (the root is level 1;
@@ -55,61 +49,7 @@ MAX_SAMPLES = 128
 #: The most nodes a query may have once every repeat and map is expanded.
 MAX_EXPANDED_NODES = 1_000_000
 
-NODE_TYPES: tuple[type, ...] = (
-    System, User, Assistant, Fragment, Plus, Cross, Seq, Generate, Chat, Retrieve, Prepare,
-    Repeat, Map,
-)
-
 _TEXT_TYPES = (System, User, Assistant)
-
-
-def join_path(path: str, segment: str) -> str:
-    """``path`` extended by ``segment``.
-
-    ``join_path("a", "b")`` is ``"a.b"``; an index attaches directly: ``join_path("a", "[0]")``
-    is ``"a[0]"``; ``join_path("", "b")`` is ``"b"``.
-    """
-    if not path:
-        return segment
-    if segment.startswith("["):
-        return path + segment
-    return f"{path}.{segment}"
-
-
-def child_segment(parent: Node, index: int) -> str:
-    """The path segment of the ``index``-th entry of ``children_of(parent)``."""
-    if isinstance(parent, Plus):
-        return f"plus[{index}]"
-    if isinstance(parent, Cross):
-        return f"cross[{index}]"
-    if isinstance(parent, Seq):
-        return f"[{index}]" if parent.as_list is True else f"seq[{index}]"
-    if isinstance(parent, Generate):
-        return "input"
-    if isinstance(parent, Chat):
-        return f"chat.messages[{index}]"
-    if isinstance(parent, Retrieve):
-        return f"retrieve.fragments[{index}]"
-    if isinstance(parent, Prepare):
-        return "prepare"
-    if isinstance(parent, Repeat):
-        return "repeat.g"
-    raise TypeError(f"{type(parent).__name__} has no children")
-
-
-def walk(node: Node) -> Iterator[tuple[str, Node]]:
-    """Yield ``(path, node)`` for every node of a *valid* tree, depth first, left to right.
-
-    Iterative, so deep trees are fine. A subtree shared by several parents is yielded once per
-    use. Use it to report later errors (e.g. in a compiler) with :func:`validate`'s paths.
-    """
-    stack: list[tuple[str, Node]] = [("", node)]
-    while stack:
-        path, current = stack.pop()
-        yield path, current
-        kids = children_of(current)
-        for i in range(len(kids) - 1, -1, -1):
-            stack.append((join_path(path, child_segment(current, i)), kids[i]))
 
 
 def validate(node: object) -> None:
@@ -148,8 +88,8 @@ def validate(node: object) -> None:
             kids = children_of(current)  # type: ignore[arg-type]
             stack.append((current, parent, path, depth, True))
             for i in range(len(kids) - 1, -1, -1):
-                child_path = join_path(path, child_segment(current, i))  # type: ignore[arg-type]
-                stack.append((kids[i], current, child_path, depth + levels, False))
+                where = child_path(path, current, i)  # type: ignore[arg-type]
+                stack.append((kids[i], current, where, depth + levels, False))
             continue
         kids = children_of(current)  # type: ignore[arg-type]
         height = _levels(current) + max((done[id(k)][0] for k in kids), default=0)
@@ -291,5 +231,5 @@ def _kind(value: object) -> str:
 
 __all__ = [
     "MAX_DEPTH", "MAX_EXPANDED_NODES", "MAX_SAMPLES", "MAX_TEMPERATURE", "MAX_TOKENS_LIMIT",
-    "NODE_TYPES", "child_segment", "join_path", "validate", "walk",
+    "validate",
 ]

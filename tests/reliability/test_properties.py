@@ -26,10 +26,11 @@ from span_workflows.ir import (
     User,
     children_of,
     iter_nodes,
+    rewrite_bottom_up,
 )
 from span_workflows.json_ir import from_json, parse_json
 from span_workflows.layout import SpanOptions
-from span_workflows.optimize import optimize, rewrite_bottom_up
+from span_workflows.optimize import optimize
 
 BS = 32
 _FIXTURE_OK = [HealthCheck.function_scoped_fixture]

@@ -160,7 +160,7 @@ def test_nested_outputs_are_cropped_to_whole_blocks_or_padded(tokenizer, crop) -
 
 
 def test_stock_mode_has_no_segments_and_keeps_the_given_order(compiler) -> None:
-    from span_workflows.plan import ordered_for_stock as _ordered_for_stock
+    from span_workflows.optimize import ordered_for_stock as _ordered_for_stock
 
     q = rag("s", ["zzz last", "aaa first"], "q")
     tq = compiler.compile_generate(_ordered_for_stock(q), span_mode=False)

@@ -19,15 +19,11 @@ from span_workflows.ir import (
     Seq,
     System,
     User,
-)
-from span_workflows.validate import (
-    MAX_DEPTH,
-    MAX_EXPANDED_NODES,
     child_segment,
     join_path,
-    validate,
     walk,
 )
+from span_workflows.validate import MAX_DEPTH, MAX_EXPANDED_NODES, validate
 
 
 def _error(node: object) -> SpanQueryError:
