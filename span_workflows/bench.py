@@ -137,7 +137,7 @@ def bench_reposition(block_counts: Sequence[int], reps: int = 5) -> list[dict[st
     """Rotation of SmolLM2-shaped CPU KV blocks (30 layers) vs a plain copy of the key bytes."""
     import torch
 
-    from span_vllm.rotation import CpuKeyLayout, RopeRotator
+    from span_vllm import CpuKeyLayout, RopeRotator
 
     layers, heads, bs, dim = 30, 3, 32, 64
     rotator, layout = RopeRotator.from_base(100000.0, dim), CpuKeyLayout(dim)

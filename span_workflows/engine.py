@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import span_vllm
 from span_vllm import contract
 from span_workflows.compile import (
     Compiler,
@@ -72,8 +73,6 @@ class Engine:
         self.layout_tokens = LayoutTokens.for_tokenizer(self.tokenizer)
         self.block_size = block_size
         self._layout_key = _prepare_environment(kv_cache_gib)
-        import span_vllm
-
         span_vllm.register()
         from vllm import LLM
 
@@ -160,10 +159,9 @@ class Engine:
         )
 
     def span_stats(self) -> dict[str, int]:
-        """Counters of the span cache: hit/miss blocks, repositioned tokens, copies."""
-        from span_vllm.stats import STATS
-
-        return STATS.snapshot()
+        """Counters of the span cache: hit/miss blocks, repositioned tokens, copies (the
+        engine core runs in this process)."""
+        return span_vllm.stats()
 
     def reset_cache(self) -> None:
         """Drop everything from the prefix cache (for benchmarks and tests)."""
@@ -193,10 +191,8 @@ class Engine:
     # -- the engine loop ------------------------------------------------------------------------
     def _probe(self, step: Probe) -> list[bool]:
         """Which prompts have all their blocks in the prefix cache now."""
-        from span_vllm.patches import probe
-
         core = self._engine.engine_core.engine_core
-        return [probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
+        return [span_vllm.probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
                 for p, salt in zip(step.sequences, step.salts, strict=True)]
 
     def _run(self, requests: list[Request]) -> list[Output]:
@@ -275,21 +271,11 @@ def _salt(value: str | None) -> str | None:
 
 
 def _prepare_environment(kv_cache_gib: int) -> str:
-    """Environment vLLM needs in-process here, and the span plugin's settings; returns the
-    layout key."""
-    defaults = {
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_USE_V2_MODEL_RUNNER": "0",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    return contract.enable()
+    """The plugin's span-mode environment (:func:`span_vllm.contract.enable`) for an engine
+    core in this process, reading a local model; returns the layout key."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return contract.enable(kv_cache_gib=kv_cache_gib)
 
 
 def available_models() -> Iterable[str]:

@@ -9,7 +9,6 @@ with the span plugin active and ``/v1/query/execute`` added.
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -18,18 +17,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from span_vllm import contract
 from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
 
 LAUNCHER_MODULE = "span_vllm.api"
-
-_ENV_DEFAULTS = {
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_NO_USAGE_STATS": "1",
-    # The V1 runner is the path proven end to end; Model Runner V2 is supported too
-    # (VLLM_USE_V2_MODEL_RUNNER=1 in the environment wins).
-    "VLLM_USE_V2_MODEL_RUNNER": "0",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 #: vLLM flags ``serve`` adds on CPU only (exact fp32 reference numerics, no graph capture);
 #: on a GPU vLLM's own defaults apply (model dtype, CUDA graphs, its block size).
@@ -122,16 +113,10 @@ def server_env(
 
     A local model runs with ``HF_HUB_OFFLINE=1`` (nothing to download); a hub id with the
     caller's setting (``HF_HUB_OFFLINE=0`` unless set), so vLLM can fetch it."""
-    from span_vllm.contract import ENABLE_ENV, KEY_ENV
-
     env = dict(os.environ if base is None else base)
-    for key, value in _ENV_DEFAULTS.items():
-        env.setdefault(key, value)
-    reference, local = model_reference(model)
+    _, local = model_reference(model)
     env.setdefault("HF_HUB_OFFLINE", "1" if local else "0")
-    env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
-    env[ENABLE_ENV] = "1"
-    env.setdefault(KEY_ENV, secrets.token_hex(16))
+    contract.enable(env, kv_cache_gib=kv_cache_gib)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
 

@@ -2,12 +2,44 @@
 
 Registered under the ``vllm.general_plugins`` entry point; vLLM calls :func:`register` in every
 process it starts (API server, engine core, workers). It patches vLLM only when span mode is on
-(``SPAN_VLLM=1``), so installing the package changes nothing for plain vLLM users.
+(``SPAN_VLLM=1``), so installing the package changes nothing for plain vLLM users. It depends on
+vLLM alone and knows nothing of the planner that sends it span requests.
+
+Public API (everything else is private to the plugin):
+
+* :func:`register` — the entry point;
+* :mod:`span_vllm.contract` — what the planner and the plugin agree on: environment names and
+  defaults, the layout key, segment kinds, utility-call names, counter names (no vLLM import);
+* :func:`probe` ``(engine_core, prompts, salt=None)`` — in the engine-core process, which
+  prompts have all their blocks in the prefix cache (other processes: the ``span_probe``
+  utility call);
+* :func:`stats` ``()`` — this process's span-cache counters (other processes: ``span_stats``);
+* :class:`RopeRotator`, :class:`CpuKeyLayout`, :class:`PagedKeyLayout` — the torch-only key
+  rotation, for benchmarks and device checks.
+
+``import span_vllm`` imports neither vLLM nor torch; each name above loads what it needs on
+first use.
 """
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from span_vllm import contract
 from span_vllm.config import enabled
+
+if TYPE_CHECKING:
+    from span_vllm.patches import probe, stats
+    from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
+
+_LAZY = {
+    "probe": "span_vllm.patches",
+    "stats": "span_vllm.patches",
+    "RopeRotator": "span_vllm.rotation",
+    "CpuKeyLayout": "span_vllm.rotation",
+    "PagedKeyLayout": "span_vllm.rotation",
+}
 
 
 def register() -> None:
@@ -19,4 +51,14 @@ def register() -> None:
     apply()
 
 
-__all__ = ["register"]
+def __getattr__(name: str) -> Any:
+    """The public names that need vLLM or torch, imported on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'span_vllm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = [
+    "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "probe", "register", "stats",
+]

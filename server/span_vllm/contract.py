@@ -20,12 +20,18 @@ Every other block chains from the block before it, as in stock vLLM. A request w
 missing, malformed or carries the wrong key hashes exactly as stock vLLM: only the planner,
 which knows the key, can ask for span semantics (the key reaches the engine processes through
 :data:`KEY_ENV`, which the launchers set; it is never sent to clients).
+
+The rest of the contract: the environment of a span-mode engine process (:func:`enable`), the
+engine-core utility calls the plugin adds (:data:`PROBE_CALL`, :data:`STATS_CALL`) and the
+counters it keeps (:data:`STAT_HELP`). The planner side (``span_workflows``) imports this
+module and nothing else of the plugin's internals.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import MutableMapping
 
 #: ``SPAN_VLLM=1`` turns the plugin on in a process.
 ENABLE_ENV = "SPAN_VLLM"
@@ -58,21 +64,25 @@ STAT_HELP: dict[str, str] = {
     "refused_hits": "cache hits given up (computed instead) for lack of a free block to copy to",
 }
 
-#: Environment an engine process needs here (defaults only; an explicit setting wins).
+#: Environment a span-mode engine process runs with (defaults only; an explicit setting wins).
 VLLM_ENV_DEFAULTS: dict[str, str] = {
     "VLLM_HOST_IP": "127.0.0.1",
     "VLLM_NO_USAGE_STATS": "1",
+    # The V1 model runner is the path proven end to end; Model Runner V2 is supported too
+    # (VLLM_USE_V2_MODEL_RUNNER=1 in the environment wins).
+    "VLLM_USE_V2_MODEL_RUNNER": "0",
     "TOKENIZERS_PARALLELISM": "false",
 }
+#: vLLM's KV cache size on CPU, in GiB, and the size used when nobody says.
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+DEFAULT_KV_CACHE_GIB = 2
 
 
 def layout_key() -> str:
     """This process's layout key: from :data:`KEY_ENV`, or a new random one (set in the
     environment, so engine processes started from here inherit it)."""
-    key = os.environ.get(KEY_ENV)
-    if not key:
-        key = secrets.token_hex(16)
-        os.environ[KEY_ENV] = key
+    key = os.environ.get(KEY_ENV) or secrets.token_hex(16)
+    os.environ[KEY_ENV] = key
     return key
 
 
@@ -81,10 +91,26 @@ def enabled() -> bool:
     return os.environ.get(ENABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def enable() -> str:
-    """Turn span mode on for engines started from this process; returns the layout key."""
-    os.environ[ENABLE_ENV] = "1"
-    return layout_key()
+def enable(env: MutableMapping[str, str] | None = None, *,
+           kv_cache_gib: int | None = None) -> str:
+    """Turn span mode on for the engine processes started with ``env`` (default: this
+    process's environment, which engines started from here inherit); returns the layout key.
+
+    Sets :data:`VLLM_ENV_DEFAULTS` where unset, the CPU KV cache size (``kv_cache_gib``; else
+    an existing setting; else :data:`DEFAULT_KV_CACHE_GIB`), ``SPAN_VLLM=1`` and the layout
+    key: the one ``env`` holds, else a new random one (written to ``env``). The key is made
+    once per launcher and inherited by every engine process it starts.
+    """
+    env = os.environ if env is None else env
+    for name, value in VLLM_ENV_DEFAULTS.items():
+        env.setdefault(name, value)
+    if kv_cache_gib is not None:
+        env[KV_CACHE_ENV] = str(int(kv_cache_gib))
+    env.setdefault(KV_CACHE_ENV, str(DEFAULT_KV_CACHE_GIB))
+    env[ENABLE_ENV] = "1"
+    key = env.get(KEY_ENV) or secrets.token_hex(16)
+    env[KEY_ENV] = key
+    return key
 
 
 def layout_args(segments: Segments, key: str) -> dict[str, object]:
@@ -93,7 +119,7 @@ def layout_args(segments: Segments, key: str) -> dict[str, object]:
 
 
 __all__ = [
-    "ANCHORED", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "LAYOUT_KEY", "ORDERED", "PROBE_CALL",
-    "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP", "Segments", "VLLM_ENV_DEFAULTS", "enable",
-    "enabled", "layout_args", "layout_key",
+    "ANCHORED", "DEFAULT_KV_CACHE_GIB", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV",
+    "LAYOUT_KEY", "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP",
+    "Segments", "VLLM_ENV_DEFAULTS", "enable", "enabled", "layout_args", "layout_key",
 ]

@@ -360,7 +360,11 @@ def _v2_targets() -> list[tuple[Any, str]]:
 
 def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list[bool]:
     """For each prompt (``[token_ids, segments]``, hashed as a request with that layout and
-    ``cache_salt``), whether all its full blocks are in the prefix cache right now."""
+    ``cache_salt``), whether all its full blocks are in the prefix cache right now.
+
+    Public as ``span_vllm.probe``; ``engine_core`` is vLLM's ``EngineCore`` (in this process).
+    Other processes ask the engine core with the ``span_probe`` utility call, which runs this.
+    """
     hash_fn = _hashing.get("hash_fn")
     if hash_fn is None:
         return [False] * len(prompts)
@@ -371,6 +375,14 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list
                              extra_keys=_salt_keys(salt))
         answers.append(bool(hashes) and all(pool.get_cached_block(h, [0]) for h in hashes))
     return answers
+
+
+def stats() -> dict[str, int]:
+    """The span-cache counters of this process (names in ``contract.STAT_HELP``).
+
+    Public as ``span_vllm.stats``; they live in the engine-core process: other processes ask
+    it with the ``span_stats`` utility call, which runs this."""
+    return STATS.snapshot()
 
 
 def _salt_keys(salt: str | None) -> Callable[[int, int], Any] | None:
@@ -386,4 +398,4 @@ def _patch_engine_core() -> None:
     if not hasattr(EngineCore, PROBE_CALL):
         setattr(EngineCore, PROBE_CALL,
                 lambda self, prompts, salt=None: probe(self, prompts, salt))
-        setattr(EngineCore, STATS_CALL, lambda self: STATS.snapshot())
+        setattr(EngineCore, STATS_CALL, lambda self: stats())
