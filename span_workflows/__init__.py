@@ -52,9 +52,9 @@ from span_workflows.optimize import optimize
 from span_workflows.pretty import pretty
 
 if TYPE_CHECKING:
-    from span_workflows.client import SpanServer
     from span_workflows.engine import Engine
     from span_workflows.result import Metrics, Result
+    from span_workflows.serving.client import SpanServer
 
 __version__ = "0.1.0"
 
@@ -62,7 +62,7 @@ _LAZY = {
     "Engine": "span_workflows.engine",
     "Metrics": "span_workflows.result",
     "Result": "span_workflows.result",
-    "SpanServer": "span_workflows.client",
+    "SpanServer": "span_workflows.serving.client",
 }
 
 

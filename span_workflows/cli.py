@@ -157,7 +157,7 @@ def _is_default(name: str) -> bool:
 def _cmd_run(args: argparse.Namespace) -> int:
     queries = load_queries(args.files)
     if args.server:
-        from span_workflows.client import SpanServer
+        from span_workflows.serving.client import SpanServer
 
         backend = SpanServer(args.server, api_key=args.api_key)
         results = [backend.execute(q) for q in queries]
@@ -171,7 +171,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             for q in queries:  # in order: later queries see what earlier ones cached
                 results.append(engine.stock(q) if args.stock else engine.execute(q))
     if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=2))
+        print(json.dumps([r.to_dict() for r in results], indent=2))
     else:
         for path, r in zip(args.files, results, strict=False):
             m = r.metrics
@@ -218,7 +218,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from span_workflows.serve import serve
+    from span_workflows.serving.launch import serve
 
     serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
           block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,

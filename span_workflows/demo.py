@@ -98,8 +98,8 @@ def _ask(engine: Any, question: str, docs: Sequence[Passage], order: str,
         "answer": span.text.strip(),
         "stock_answer": stock.text.strip(),
         "sources": [p.source for p in docs],
-        "span": span.metrics.as_dict(),
-        "stock": stock.metrics.as_dict(),
+        "span": span.metrics.to_dict(),
+        "stock": stock.metrics.to_dict(),
     }
     for mode, result in (("span", span), ("stock", stock)):
         m = result.metrics

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from span_workflows.compile import TokenizedQuery
@@ -22,13 +23,17 @@ class Metrics:
     #: TTFT of the final generation request alone (after nested G's and prepares)
     final_ttft_s: float = 0.0
 
-    def as_dict(self) -> dict[str, float | int]:
-        """The four documented metrics plus extras, as a JSON-ready dict."""
-        return {
-            "ttft_s": self.ttft_s, "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens, "generated_tokens": self.generated_tokens,
-            "prepare_requests": self.prepare_requests, "latency_s": self.latency_s,
-        }
+    def to_dict(self) -> dict[str, float | int]:
+        """Every metric under its field name, JSON-ready (the CLI's and the wire's form)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Metrics:
+        """The inverse of :meth:`to_dict`; a missing metric is 0."""
+        return cls(**{f.name: _NUMBER[str(f.type)](data.get(f.name, 0)) for f in fields(cls)})
+
+
+_NUMBER: dict[str, type] = {"float": float, "int": int}
 
 
 @dataclass
@@ -47,6 +52,6 @@ class Result:
     #: by their path in the optimized query (``input.cross[1].plus[0]``)
     nested: dict[str, Result] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """``{"text", "metrics"}`` as the CLI prints it."""
-        return {"text": self.text, "metrics": self.metrics.as_dict()}
+        return {"text": self.text, "metrics": self.metrics.to_dict()}

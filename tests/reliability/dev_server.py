@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from span_workflows.serve import start_server_process, stop_server_process
+from span_workflows.serving.launch import start_server_process, stop_server_process
 
 
 @contextmanager

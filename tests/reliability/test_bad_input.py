@@ -206,7 +206,8 @@ class _StubEngine:
 def app(tokenizer):
     from fastapi import FastAPI
 
-    from span_vllm.api import SpanQueryService, install
+    from span_workflows.serving.app import install
+    from span_workflows.serving.service import SpanQueryService
 
     application = FastAPI()
     service = SpanQueryService(_StubEngine(), tokenizer, 32, MAX_MODEL_LEN, "stub-key")

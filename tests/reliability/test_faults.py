@@ -20,8 +20,8 @@ import psutil
 import pytest
 
 from span_workflows.builders import g, rag, user
-from span_workflows.client import ServerError, ServerUnavailableError, SpanServer
-from span_workflows.serve import free_port, start_server_process, stop_server_process
+from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
+from span_workflows.serving.launch import free_port, start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 

@@ -16,19 +16,20 @@ import pytest
 
 import span_vllm
 import span_workflows
-from span_workflows.client import SpanServer
 from span_workflows.errors import SpanQueryError
 from span_workflows.json_ir import MAX_JSON_NESTING, from_json
-from span_workflows.serve import server_command
+from span_workflows.serving import launch
+from span_workflows.serving.client import SpanServer
+from span_workflows.serving.launch import server_command
 from span_workflows.validate import MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = sorted([*Path(span_workflows.__file__).parent.glob("*.py"),
+SOURCES = sorted([*Path(span_workflows.__file__).parent.rglob("*.py"),
                   *Path(span_vllm.__file__).parent.glob("*.py")])
 
 
 def test_server_binds_loopback_unless_told_otherwise() -> None:
-    from span_vllm.api import DEFAULT_HOST, make_parser
+    from span_workflows.serving.app import DEFAULT_HOST, make_parser
 
     assert DEFAULT_HOST == "127.0.0.1"
     assert make_parser().parse_args(["--model", "m"]).host == "127.0.0.1"
@@ -38,7 +39,7 @@ def test_server_binds_loopback_unless_told_otherwise() -> None:
     from span_workflows.cli import _parser
 
     assert _parser().parse_args(["serve"]).host == "127.0.0.1"
-    assert inspect.signature(span_workflows.serve.serve).parameters["host"].default == "127.0.0.1"
+    assert inspect.signature(launch.serve).parameters["host"].default == "127.0.0.1"
 
 
 def test_api_key_is_passed_to_the_server_and_sent_by_the_client() -> None:
@@ -61,14 +62,15 @@ def test_api_key_is_passed_to_the_server_and_sent_by_the_client() -> None:
 def test_request_size_is_capped_before_parsing() -> None:
     from fastapi import FastAPI
 
-    from span_vllm.api import MAX_BODY_BYTES, install
+    from span_workflows.serving.app import install
+    from span_workflows.serving.wire import MAX_BODY_BYTES
 
     assert MAX_BODY_BYTES == 4 * 1024 * 1024
 
     class NoEngine:
         engine_core = None
 
-    from span_vllm.api import SpanQueryService
+    from span_workflows.serving.service import SpanQueryService
 
     service = SpanQueryService.__new__(SpanQueryService)
     service.engine, service.stats = NoEngine(), {}
@@ -96,7 +98,7 @@ def test_request_size_is_capped_before_parsing() -> None:
 
 
 def test_tree_depth_is_capped() -> None:
-    from span_vllm.api import parse_body
+    from span_workflows.serving.wire import parse_body
 
     ok = '{"g": {"input": ' + '{"plus": [' * (MAX_DEPTH - 2) + '{"user": "x"}' + \
         "]}" * (MAX_DEPTH - 2) + "}}"

@@ -9,11 +9,11 @@ import httpx
 import pytest
 
 from span_workflows.builders import g, judge_generator, rag, user
-from span_workflows.client import SpanServer
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Plus
 from span_workflows.json_ir import to_obj
-from span_workflows.serve import start_server_process, stop_server_process
+from span_workflows.serving.client import SpanServer
+from span_workflows.serving.launch import start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 

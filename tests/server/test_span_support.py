@@ -106,7 +106,7 @@ def test_data_parallel_engines_are_refused_when_the_scheduler_is_built() -> None
 
 
 def test_the_launcher_refuses_data_parallel_before_starting_anything(capsys) -> None:
-    from span_vllm import api
+    from span_workflows.serving import app as api
 
     with pytest.raises(SystemExit) as info:
         api.main(["--model", "/nonexistent", "--data-parallel-size", "2"])

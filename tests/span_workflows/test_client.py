@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from span_workflows.builders import g, user
-from span_workflows.client import ServerError, ServerUnavailableError, SpanServer
 from span_workflows.engine import Metrics, Result
 from span_workflows.errors import SpanQueryError
-from span_workflows.serve import free_port
+from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
+from span_workflows.serving.launch import free_port
 
 QUERY = g(user("hi"), max_tokens=4, temperature=0.0)
 ANSWER = {

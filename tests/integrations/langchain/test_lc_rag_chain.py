@@ -199,8 +199,8 @@ def test_judge_generator_and_agent_step_runnables(engine) -> None:
 def test_server_path_sends_the_lifted_query() -> None:
     import httpx
 
-    from span_workflows.client import SpanServer
     from span_workflows.json_ir import from_json
+    from span_workflows.serving.client import SpanServer
 
     seen = []
 

@@ -87,7 +87,7 @@ class SpanLLM(CustomLLM, QueryRunner):
 
     def _get_server(self) -> Any:
         if self._server is None:
-            from span_workflows.client import SpanServer
+            from span_workflows.serving.client import SpanServer
 
             self._server = SpanServer(self.server_url or "", api_key=self.api_key)
         return self._server

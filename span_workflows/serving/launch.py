@@ -2,8 +2,9 @@
 
 :func:`serve` runs the server in the foreground (it replaces the current process);
 :func:`start_server_process` starts it in the background and waits until ``/health`` answers,
-for tests and notebooks. Both run ``python -m span_vllm.api`` — vLLM's OpenAI-compatible server
-with the span plugin active and ``/v1/query/execute`` added.
+for tests and notebooks. Both run ``python -m span_workflows.serving.app`` — vLLM's
+OpenAI-compatible server with ``/v1/query/execute`` added — in an environment that turns the
+``span_vllm`` plugin on in every engine process it starts (:func:`server_env`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from span_vllm import contract
+from span_workflows.errors import ModelNotAvailableError
 from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
+from span_workflows.serving.wire import HEALTH_PATH
 
-LAUNCHER_MODULE = "span_vllm.api"
+LAUNCHER_MODULE = "span_workflows.serving.app"
 
 #: vLLM flags ``serve`` adds on CPU only (exact fp32 reference numerics, no graph capture);
 #: on a GPU vLLM's own defaults apply (model dtype, CUDA graphs, its block size).
@@ -51,8 +54,6 @@ def model_reference(model: str | Path | None) -> tuple[str, bool]:
     downloads (or reads from the HF cache). Raises
     :class:`~span_workflows.errors.ModelNotAvailableError` for a path-like name that does not
     exist or a hub id in offline mode (``HF_HUB_OFFLINE=1``)."""
-    from span_workflows.errors import ModelNotAvailableError
-
     if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
         return str(resolve_model(None, progress=True)), True
     text = str(model)
@@ -188,7 +189,7 @@ def start_server_process(
                 + (f" (log: {log_path})" if log_path else "")
             )
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(url + HEALTH_PATH, timeout=2.0).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass

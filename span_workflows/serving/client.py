@@ -1,0 +1,208 @@
+"""A client of the span query server (``span-workflows serve``), over HTTP with httpx.
+
+:class:`SpanServer` is a :class:`~span_workflows.backend.QueryBackend`, like the embedded
+:class:`~span_workflows.engine.Engine`: ``execute``/``aexecute``/``execute_many`` return the
+same :class:`~span_workflows.result.Result`, ``stream``/``astream`` the same text streams.
+What goes over the wire is :mod:`span_workflows.serving.wire`'s business.
+
+Errors: an invalid query (any 4xx answer) raises :class:`~span_workflows.errors.SpanQueryError`
+with the server's message and path; a server that cannot be reached raises
+:class:`~span_workflows.errors.ServerUnavailableError` (a :class:`ConnectionError`) naming the
+URL, after ``retries`` further attempts; any other failure of the server raises
+:class:`~span_workflows.errors.ServerError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import httpx
+
+from span_workflows.errors import ServerError, ServerUnavailableError
+from span_workflows.ir import Node
+from span_workflows.layout import SpanOptions
+from span_workflows.result import Result
+from span_workflows.serving import wire
+from span_workflows.streaming import AsyncTextStream, TextStream
+
+T = TypeVar("T")
+Query = Node | dict | list | str
+_RETRY_DELAY_S = 0.5
+
+
+class SpanServer:
+    """Runs span queries on a span server at ``url`` (e.g. ``http://127.0.0.1:8000``).
+
+    ``api_key`` is sent as ``Authorization: Bearer``; ``timeout`` (seconds) bounds each
+    request; ``retries`` is how many more times a request is tried when the server cannot be
+    reached (never after it answered). A query is a tree, its JSON value or its JSON text.
+    """
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 600.0,
+                 retries: int = 0, transport: httpx.BaseTransport | None = None,
+                 async_transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.retries = max(0, int(retries))
+        self.timeout = timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._async_transport = async_transport
+        self._client = httpx.Client(base_url=self.url, headers=self._headers,
+                                    timeout=timeout, transport=transport)
+
+    # -- QueryBackend ---------------------------------------------------------------------------
+    def execute(self, query: Query, *, optimize_query: bool = True,
+                span_options: SpanOptions | str | None = None,
+                cache_salt: str | None = None) -> Result:
+        """Run one query and return its result. ``span_options`` override the server's (what
+        spans attend to, their layout); ``cache_salt`` keeps the query's cached KV apart from
+        every other salt's."""
+        body = wire.request_body(query, stream=False, optimize_query=optimize_query,
+                                 span_options=span_options, cache_salt=cache_salt)
+        response = self._retrying(lambda: self._client.post(wire.EXECUTE_PATH, json=body))
+        return wire.parse_result(wire.parse_answer(response.status_code, response.text, self.url))
+
+    async def aexecute(self, query: Query, *, optimize_query: bool = True,
+                       span_options: SpanOptions | str | None = None,
+                       cache_salt: str | None = None) -> Result:
+        """Async :meth:`execute`."""
+        body = wire.request_body(query, stream=False, optimize_query=optimize_query,
+                                 span_options=span_options, cache_salt=cache_salt)
+        async with self._async_client() as client:
+            response = await self._aretrying(lambda: client.post(wire.EXECUTE_PATH, json=body))
+        return wire.parse_result(wire.parse_answer(response.status_code, response.text, self.url))
+
+    def execute_many(self, queries: Sequence[Query], *, optimize_query: bool = True,
+                     span_options: SpanOptions | str | None = None,
+                     cache_salt: str | None = None, max_concurrency: int = 16) -> list[Result]:
+        """Run several queries concurrently (the server batches them); results in order."""
+        if not queries:
+            return []
+        workers = max(1, min(max_concurrency, len(queries)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(
+                lambda q: self.execute(q, optimize_query=optimize_query,
+                                       span_options=span_options, cache_salt=cache_salt),
+                queries,
+            ))
+
+    def stream(self, query: Query, *, optimize_query: bool = True,
+               span_options: SpanOptions | str | None = None,
+               cache_salt: str | None = None) -> TextStream:
+        """The answer's text as it is generated (deltas that concatenate to ``text``); the
+        stream's ``result`` once it is read to the end."""
+        body = wire.request_body(query, stream=True, optimize_query=optimize_query,
+                                 span_options=span_options, cache_salt=cache_salt)
+        return TextStream(self._events(body))
+
+    def astream(self, query: Query, *, optimize_query: bool = True,
+                span_options: SpanOptions | str | None = None,
+                cache_salt: str | None = None) -> AsyncTextStream:
+        """Async :meth:`stream`."""
+        body = wire.request_body(query, stream=True, optimize_query=optimize_query,
+                                 span_options=span_options, cache_salt=cache_salt)
+        return AsyncTextStream(self._aevents(body))
+
+    # -- the server -----------------------------------------------------------------------------
+    def health(self) -> bool:
+        """Whether the server answers ``/health`` with 200."""
+        try:
+            return self._client.get(wire.HEALTH_PATH,
+                                    timeout=min(self.timeout, 10.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._client.close()
+
+    def __enter__(self) -> SpanServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SpanServer({self.url!r})"
+
+    # -- internals ------------------------------------------------------------------------------
+    def _events(self, body: dict[str, Any]) -> Iterator[str | Result]:
+        """The deltas, then the result, of a streamed request."""
+        request = self._client.build_request("POST", wire.EXECUTE_PATH, json=body)
+        response = self._retrying(lambda: self._client.send(request, stream=True))
+        try:
+            if response.status_code != 200:
+                response.read()
+                wire.parse_answer(response.status_code, response.text, self.url)  # raises
+            for line in response.iter_lines():
+                item = wire.parse_event(line, self.url)
+                if item is not None:
+                    yield item
+                if isinstance(item, Result):
+                    return
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+        finally:
+            response.close()
+
+    async def _aevents(self, body: dict[str, Any]) -> AsyncIterator[str | Result]:
+        """Async :meth:`_events`."""
+        async with self._async_client() as client:
+            request = client.build_request("POST", wire.EXECUTE_PATH, json=body)
+            response = await self._aretrying(lambda: client.send(request, stream=True))
+            try:
+                if response.status_code != 200:
+                    await response.aread()
+                    wire.parse_answer(response.status_code, response.text, self.url)
+                async for line in response.aiter_lines():
+                    item = wire.parse_event(line, self.url)
+                    if item is not None:
+                        yield item
+                    if isinstance(item, Result):
+                        return
+            except httpx.TransportError as exc:
+                raise self._unavailable(exc) from exc
+            finally:
+                await response.aclose()
+
+    def _retrying(self, send: Callable[[], T]) -> T:
+        """``send()``, tried again (``retries`` times) while the server cannot be reached."""
+        for attempt in range(self.retries + 1):
+            try:
+                return send()
+            except httpx.TransportError as exc:
+                if attempt >= self.retries or not _retryable(exc):
+                    raise self._unavailable(exc) from exc
+                time.sleep(_RETRY_DELAY_S)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _aretrying(self, send: Callable[[], Awaitable[T]]) -> T:
+        """Async :meth:`_retrying`."""
+        for attempt in range(self.retries + 1):
+            try:
+                return await send()
+            except httpx.TransportError as exc:
+                if attempt >= self.retries or not _retryable(exc):
+                    raise self._unavailable(exc) from exc
+                await asyncio.sleep(_RETRY_DELAY_S)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _async_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self._headers,
+                                 timeout=self.timeout, transport=self._async_transport)
+
+    def _unavailable(self, exc: httpx.TransportError) -> Exception:
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            return ServerError(self.url, 0, f"no answer within {self.timeout} s ({exc!r})")
+        return ServerUnavailableError(self.url, exc or type(exc).__name__)
+
+
+def _retryable(exc: httpx.TransportError) -> bool:
+    """Only failures to reach the server are retried (the request never ran)."""
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+__all__ = ["ServerError", "ServerUnavailableError", "SpanServer"]

@@ -1,0 +1,80 @@
+"""Executes span queries against a running vLLM engine client (``AsyncLLM``), in the API server.
+
+The engine core runs in another process: cache probes and the span counters reach it as the
+plugin's engine-core utility calls (:data:`span_vllm.contract.PROBE_CALL`,
+:data:`~span_vllm.contract.STATS_CALL`); requests go through ``AsyncLLM.generate`` with their
+segments in ``SamplingParams.extra_args`` (:mod:`span_workflows.vllm_io`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from span_vllm import contract
+from span_workflows.compile import Compiler
+from span_workflows.ir import Node
+from span_workflows.layout import SpanOptions
+from span_workflows.plan import Output, Planner, Probe, QuerySettings, Request, drive_async
+from span_workflows.result import Result
+from span_workflows.streaming import PartStream
+from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
+
+
+class SpanQueryService:
+    """Plans, runs and reports span queries on ``engine_client`` (vLLM's ``AsyncLLM``)."""
+
+    def __init__(self, engine_client: Any, tokenizer: Any, block_size: int,
+                 max_model_len: int, layout_key: str) -> None:
+        self.engine = engine_client
+        self.layout_key = layout_key
+        self.planner = Planner(Compiler.for_tokenizer(tokenizer, block_size), max_model_len)
+        self.stats: dict[str, int] = dict.fromkeys(contract.STAT_HELP, 0)
+
+    async def execute(self, node: Node, *, optimize_query: bool = True,
+                      stream: PartStream | None = None, span_options: SpanOptions | None = None,
+                      cache_salt: str | None = None) -> Result:
+        """Run one parsed query; with ``stream``, its answer's text is streamed as it grows."""
+        settings = QuerySettings(span_options or self.planner.compiler.options, cache_salt)
+        plan = self.planner.plan_query(self.planner.normalize(node, optimize_query),
+                                       True, settings)
+
+        async def run(req: Request) -> Output:
+            return await self._run(req, stream)
+
+        [result] = await drive_async([plan], run, self._probe)
+        return result
+
+    async def _probe(self, step: Probe) -> list[bool]:
+        answers = []
+        for prompt, salt in zip(step.sequences, step.salts, strict=True):
+            [hit] = await self.engine.engine_core.call_utility_async(
+                contract.PROBE_CALL, [[list(prompt.token_ids), list(prompt.segments)]], salt)
+            answers.append(bool(hit))
+        return answers
+
+    async def _run(self, req: Request, stream: PartStream | None) -> Output:
+        run = RequestRun(req, time.perf_counter(), stream)
+        outputs = self.engine.generate(tokens_prompt(req), sampling_params(req, self.layout_key),
+                                       f"span-{uuid.uuid4().hex}")
+        async for out in outputs:
+            if run.see(out, time.perf_counter()):
+                await outputs.aclose()  # aborts the request in the engine; nothing was streamed
+                break
+        return run.output(time.perf_counter())
+
+    async def refresh_stats(self, timeout: float = 5.0) -> dict[str, int]:
+        """Fetch the span counters from the engine core (keeps the last values on failure)."""
+        try:
+            snap = await asyncio.wait_for(
+                self.engine.engine_core.call_utility_async(contract.STATS_CALL), timeout
+            )
+            self.stats.update({k: int(v) for k, v in dict(snap).items()})
+        except Exception:  # noqa: BLE001 - metrics must never fail a scrape
+            pass
+        return dict(self.stats)
+
+
+__all__ = ["SpanQueryService"]

@@ -1,0 +1,234 @@
+"""The wire protocol of ``/v1/query/execute``: the one place both the server and the client
+read and write it.
+
+**Request** (``POST`` :data:`EXECUTE_PATH`, at most :data:`MAX_BODY_BYTES` by default): a span
+query in spnl's JSON IR, bare, or wrapped as ``{"query": Q, "stream": false, "optimize": true,
+"span_options": {...}, "cache_salt": "..."}`` (only :data:`WRAPPER_KEYS`; every key but
+``query`` optional). Written by :func:`request_body`, read by :func:`parse_body`.
+
+**Answer** (200): ``{"text", "texts", "usage": {"prompt_tokens", "cached_tokens",
+"completion_tokens", "total_tokens"}, "metrics": {<Metrics.to_dict()>}}``. Written by
+:func:`result_body`, read by :func:`parse_result`.
+
+**Errors**: an invalid query is a 400 ``{"error": {"message": "<path>: <what>", "type":
+"invalid_query", "path": "<path>"}}`` (:func:`error_body`); a body over the cap a 413 of type
+``request_too_large`` (:func:`too_large_body`). A client maps every 4xx to
+:class:`~span_workflows.errors.SpanQueryError`, anything else but 200 to
+:class:`~span_workflows.errors.ServerError` (:func:`parse_answer`).
+
+**Stream** (``"stream": true``): server-sent events, ``data: {"delta": "..."}`` while the answer
+is generated, then ``data: {"done": true, <the answer's keys>}``, or ``data: {"error":
+{"message", "type"}}`` if it fails after the first delta (:func:`delta_event`,
+:func:`done_event`, :func:`error_event`, :func:`sse`; read by :func:`parse_event`). A query that
+fails before its first delta gets a plain error answer instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from span_workflows.errors import ServerError, SpanQueryError
+from span_workflows.ir import Node
+from span_workflows.json_ir import from_json, parse_json, to_obj
+from span_workflows.layout import SpanOptions
+from span_workflows.result import Metrics, Result
+
+EXECUTE_PATH = "/v1/query/execute"
+HEALTH_PATH = "/health"
+#: Largest request body the server reads (bytes), unless configured otherwise.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+#: The keys of a wrapped request; any other key means the body is a bare query.
+WRAPPER_KEYS = frozenset({"query", "stream", "optimize", "span_options", "cache_salt"})
+#: ``Content-Type`` of a stream.
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class QueryBody:
+    """A parsed request: the query and its options."""
+
+    node: Node
+    stream: bool = False
+    optimize: bool = True
+    span_options: SpanOptions | None = None
+    cache_salt: str | None = None
+
+
+def request_body(query: Node | dict | list | str, *, stream: bool, optimize_query: bool = True,
+                 span_options: SpanOptions | str | dict | None = None,
+                 cache_salt: str | None = None) -> dict[str, Any]:
+    """The JSON request for ``query`` (a tree, its JSON value, or JSON text, checked here)."""
+    if isinstance(query, str):
+        query = from_json(query)
+    body: dict[str, Any] = {"query": to_obj(query) if not isinstance(query, (dict, list))
+                            else query, "stream": stream}
+    if not optimize_query:
+        body["optimize"] = False
+    if span_options is not None:
+        body["span_options"] = SpanOptions.coerce(span_options).as_dict()
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def parse_body(body: bytes) -> QueryBody:
+    """The query and options of a request body; :class:`SpanQueryError` if it is bad."""
+    if body.startswith(b"\xef\xbb\xbf"):
+        body = body[3:]
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpanQueryError("", f"request body is not valid UTF-8 ({exc.reason} at byte "
+                                 f"{exc.start})") from None
+    if not text.strip():
+        raise SpanQueryError("", "empty request body: expected a span query in JSON")
+    obj = parse_json(text)
+    if not (isinstance(obj, dict) and "query" in obj and set(obj) <= WRAPPER_KEYS):
+        return QueryBody(from_json(obj))
+    stream = obj.get("stream", False)
+    if not isinstance(stream, bool):
+        raise SpanQueryError("stream", "must be true or false")
+    optimize_query = obj.get("optimize", True)
+    if not isinstance(optimize_query, bool):
+        raise SpanQueryError("optimize", "must be true or false")
+    salt = obj.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise SpanQueryError("cache_salt", "must be a non-empty string")
+    options = obj.get("span_options")
+    return QueryBody(from_json(obj["query"]), stream, optimize_query,
+                     None if options is None else SpanOptions.coerce(options), salt)
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def usage(result: Result) -> dict[str, int]:
+    """OpenAI-style usage of a result (final generations only; prepares are not billed)."""
+    m = result.metrics
+    return {
+        "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
+        "completion_tokens": m.generated_tokens,
+        "total_tokens": m.prompt_tokens + m.generated_tokens,
+    }
+
+
+def result_body(result: Result) -> dict[str, Any]:
+    """The JSON answer of an executed query."""
+    return {"text": result.text, "texts": list(result.texts), "usage": usage(result),
+            "metrics": result.metrics.to_dict()}
+
+
+def parse_result(data: dict[str, Any]) -> Result:
+    """The :class:`Result` of a JSON answer (or of a stream's ``done`` event)."""
+    text = str(data.get("text", ""))
+    texts = [str(t) for t in data.get("texts") or [text]]
+    return Result(text, Metrics.from_dict(data.get("metrics") or {}), texts)
+
+
+def error_body(exc: SpanQueryError) -> dict[str, Any]:
+    """The JSON answer (400) for an invalid query."""
+    return {"error": {"message": str(exc), "type": "invalid_query", "path": exc.path}}
+
+
+def too_large_body(max_body: int) -> dict[str, Any]:
+    """The JSON answer (413) for a body over the cap."""
+    return {"error": {"message": f"request body is larger than {max_body} bytes",
+                      "type": "request_too_large", "path": ""}}
+
+
+def parse_answer(status: int, text: str, url: str) -> dict[str, Any]:
+    """The JSON object of a 200 answer; otherwise raise the error the answer stands for."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if 400 <= status < 500:
+        raise _query_error(status, data, text)
+    if status != 200:
+        raise ServerError(url, status, _message(data) or text[:500])
+    if not isinstance(data, dict):
+        raise ServerError(url, status, "the answer is not a JSON object")
+    return data
+
+
+def _message(data: Any) -> str | None:
+    if isinstance(data, dict):
+        err = data.get("error", data.get("detail"))
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+    return None
+
+
+def _query_error(status: int, data: Any, text: str) -> SpanQueryError:
+    message = _message(data) or text.strip()[:500] or f"HTTP {status}"
+    path = ""
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        path = str(data["error"].get("path") or "")
+    if path and message.startswith(f"{path}: "):
+        message = message[len(path) + 2:]
+    if status == 401:
+        message = f"unauthorized: {message} (wrong or missing API key)"
+    elif status == 413:
+        message = f"request too large: {message}"
+    return SpanQueryError(path, message)
+
+
+# -- streams ---------------------------------------------------------------------------------
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+
+
+def delta_event(delta: str) -> dict[str, Any]:
+    """The event of a piece of generated text."""
+    return {"delta": delta}
+
+
+def done_event(result: Result) -> dict[str, Any]:
+    """The last event of a stream that succeeded: ``done`` and the answer's keys."""
+    return {"done": True, **result_body(result)}
+
+
+def error_event(exc: BaseException) -> dict[str, Any]:
+    """The last event of a stream that failed after its first delta."""
+    kind = "invalid_query" if isinstance(exc, SpanQueryError) else "internal_error"
+    return {"error": {"message": str(exc) or type(exc).__name__, "type": kind}}
+
+
+def parse_event(line: str, url: str) -> str | Result | None:
+    """What one line of a stream carries: a delta (``str``), the final :class:`Result`
+    (``done``), or ``None`` (not an event). Raises the error an ``error`` event reports."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload:
+        return None
+    event = json.loads(payload)
+    if "delta" in event:
+        return str(event["delta"])
+    if event.get("done"):
+        return parse_result(event)
+    if "error" in event:
+        err = event["error"]
+        message = _message(event) or "unknown error"
+        if isinstance(err, dict) and err.get("type") == "invalid_query":
+            raise SpanQueryError("", message)
+        raise ServerError(url, 200, message)
+    return None
+
+
+__all__ = [
+    "EXECUTE_PATH", "HEALTH_PATH", "MAX_BODY_BYTES", "QueryBody", "SSE_MEDIA_TYPE",
+    "WRAPPER_KEYS", "delta_event", "done_event", "error_body", "error_event", "parse_answer",
+    "parse_body", "parse_event", "parse_result", "request_body", "result_body", "sse",
+    "too_large_body", "usage",
+]

@@ -1,0 +1,95 @@
+"""What crosses from a plan into vLLM and back, for the embedded engine and the HTTP app alike.
+
+A plan :class:`~span_workflows.plan.Request` becomes a tokens prompt (with vLLM's
+``cache_salt``) and :class:`vllm.SamplingParams` whose ``extra_args`` carry the request's span
+segments under this process's layout key (:func:`span_vllm.contract.layout_args`); nothing else
+reaches the engine processes. While the request runs, a :class:`RequestRun` reads vLLM's
+cumulative ``RequestOutput`` s: it notes the first token, streams part texts, and says when the
+request must be aborted because its cache hits fell short (a prepared span was evicted before
+it was used; the plan then prepares again and retries). At the end it builds the plan's
+:class:`~span_workflows.plan.Output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from span_vllm import contract
+from span_workflows.plan import Output, Request
+from span_workflows.streaming import PartStream
+
+
+def tokens_prompt(req: Request) -> dict[str, Any]:
+    """vLLM's ``TokensPrompt`` of ``req`` (a dict): its token ids and ``cache_salt``."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt)}
+    if req.cache_salt is not None:
+        prompt["cache_salt"] = req.cache_salt
+    return prompt
+
+
+def sampling_params(req: Request, layout_key: str) -> Any:
+    """vLLM's ``SamplingParams`` of ``req``; its segments travel in ``extra_args`` (a request
+    without segments hashes exactly as stock vLLM does)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
+        logprobs=req.logprobs,
+        extra_args=contract.layout_args(req.segments, layout_key) if req.segments else None,
+    )
+
+
+@dataclass
+class RequestRun:
+    """One request in flight: feed it every ``RequestOutput`` (:meth:`see`), then ask for its
+    :meth:`output`. Timestamps are ``time.perf_counter`` seconds. With ``stream`` set, the text
+    of a final generation (``request.part`` set) is streamed as it grows."""
+
+    request: Request
+    submitted: float
+    stream: PartStream | None = None
+    first: float | None = None
+    final: Any = None
+    short: bool = False
+
+    def see(self, out: Any, now: float) -> bool:
+        """Take the request's latest (cumulative) output. Returns ``True`` when the request
+        must be aborted: its first token came with fewer prompt tokens from the cache than
+        ``request.min_cached``, so a span it relies on was computed in context."""
+        self.final = out
+        if self.first is None and any(o.token_ids for o in out.outputs):
+            self.first = now
+            if int(out.num_cached_tokens or 0) < self.request.min_cached:
+                self.short = True
+                return True
+        if self.stream is not None and self.request.part is not None:
+            for o in out.outputs:
+                if o.index == 0:
+                    self.stream.update(self.request.part, o.text)
+        return False
+
+    def output(self, finished: float) -> Output:
+        """The plan's :class:`Output` of the request, which ended at ``finished``."""
+        final = self.final
+        if final is None:
+            raise RuntimeError("the engine returned no output")
+        if self.stream is not None and self.request.part is not None and not self.short:
+            self.stream.finish(self.request.part)
+        outputs = sorted(final.outputs, key=lambda o: o.index)
+        logprobs = getattr(outputs[0], "logprobs", None)
+        return Output(
+            texts=[o.text for o in outputs],
+            token_ids=[list(o.token_ids) for o in outputs],
+            prompt_tokens=len(final.prompt_token_ids or self.request.prompt),
+            cached_tokens=int(final.num_cached_tokens or 0),
+            submitted=self.submitted,
+            first_token=self.first if self.first is not None else finished,
+            finished=finished,
+            first_logprobs=({tok: lp.logprob for tok, lp in logprobs[0].items()}
+                            if logprobs else {}),
+            short=self.short,
+        )
+
+
+__all__ = ["RequestRun", "sampling_params", "tokens_prompt"]
