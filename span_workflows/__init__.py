@@ -52,6 +52,7 @@ from span_workflows.optimize import optimize
 from span_workflows.pretty import pretty
 
 if TYPE_CHECKING:
+    from span_workflows.backend import QueryBackend
     from span_workflows.engine import Engine
     from span_workflows.result import Metrics, Result
     from span_workflows.serving.client import SpanServer
@@ -60,6 +61,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": "span_workflows.engine",
+    "QueryBackend": "span_workflows.backend",
     "Metrics": "span_workflows.result",
     "Result": "span_workflows.result",
     "SpanServer": "span_workflows.serving.client",
@@ -78,8 +80,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "Assistant", "Chat", "Cross", "Engine", "Fragment", "Generate", "Map", "Metrics",
-    "ModelNotAvailableError", "Node", "Plus", "Prepare", "Repeat", "Result", "Retrieve", "Seq",
-    "SpanQueryError", "SpanServer", "System", "User", "agent_step", "assistant", "chat",
-    "commutative", "cross", "fragment", "from_json", "g", "judge_generator", "optimize", "plus",
-    "pretty", "rag", "repeat", "retrieve", "system", "to_json", "user",
+    "ModelNotAvailableError", "Node", "Plus", "Prepare", "QueryBackend", "Repeat", "Result",
+    "Retrieve", "Seq", "SpanQueryError", "SpanServer", "System", "User", "agent_step",
+    "assistant", "chat", "commutative", "cross", "fragment", "from_json", "g", "judge_generator",
+    "optimize", "plus", "pretty", "rag", "repeat", "retrieve", "system", "to_json", "user",
 ]

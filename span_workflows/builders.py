@@ -19,6 +19,7 @@ from span_workflows.ir import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     NODE_TYPES,
+    ROLE_MESSAGES,
     Assistant,
     Chat,
     Cross,
@@ -193,16 +194,15 @@ def agent_step(
     parts: list[Node] = []
     if system is not None:
         parts.append(System(_text(system, "system")))
-    roles = {"system": System, "user": User, "assistant": Assistant}
     for i, item in enumerate(_listed(history, "history")):
         where = f"history[{i}]"
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
             role, text = item
-            if role not in roles:
+            if role not in ROLE_MESSAGES:
                 raise SpanQueryError(
                     where, f"unknown role {role!r}; expected system, user or assistant"
                 )
-            parts.append(roles[role](_text(text, where)))
+            parts.append(ROLE_MESSAGES[role](_text(text, where)))
         elif isinstance(item, NODE_TYPES):
             parts.append(item)
         else:

@@ -43,9 +43,10 @@ from span_workflows.ir import (
     Prepare,
     User,
     child_path,
+    role_of,
 )
 from span_workflows.layout import LayoutTokens, SpanOptions
-from span_workflows.render import ChatRenderer, role_of
+from span_workflows.render import ChatRenderer
 
 SpanKind = Literal["prefix", "plus", "cross", "generated"]
 

@@ -7,17 +7,25 @@ main request, whose spans are cache hits repositioned to where they now sit.
 
 Several queries (``execute_many``) and the branches of one query advance in lockstep: each query
 is a generator that yields batches of requests, and one engine loop serves all batches at once.
+The loop steps vLLM's ``LLMEngine`` itself, so outputs arrive token by token: ``stream`` hands
+them out as they come (the engine runs in a worker thread meanwhile).
+
+:class:`Engine` is a :class:`~span_workflows.backend.QueryBackend`, like the HTTP client
+:class:`~span_workflows.serving.client.SpanServer`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import os
+import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import span_vllm
 from span_vllm import contract
@@ -34,6 +42,8 @@ from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
 from span_workflows.plan import Output, Planner, Probe, QuerySettings, Request, drive
 from span_workflows.render import ChatRenderer
 from span_workflows.result import Metrics, Result
+from span_workflows.streaming import AsyncTextStream, PartStream, TextStream
+from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
 
 class Engine:
@@ -98,7 +108,7 @@ class Engine:
         self._lock = threading.RLock()
         self._closed = False
 
-    # -- public API -----------------------------------------------------------------------------
+    # -- QueryBackend ---------------------------------------------------------------------------
     def execute(self, query: Node, *, optimize_query: bool = True,
                 logprobs: int | None = None,
                 span_options: SpanOptions | str | None = None,
@@ -106,6 +116,13 @@ class Engine:
         """Run one span query; see :meth:`execute_many`."""
         return self.execute_many([query], optimize_query=optimize_query, logprobs=logprobs,
                                  span_options=span_options, cache_salt=cache_salt)[0]
+
+    async def aexecute(self, query: Node, *, optimize_query: bool = True,
+                       span_options: SpanOptions | str | None = None,
+                       cache_salt: str | None = None) -> Result:
+        """Async :meth:`execute`: the engine runs in a worker thread."""
+        return await asyncio.to_thread(self.execute, query, optimize_query=optimize_query,
+                                       span_options=span_options, cache_salt=cache_salt)
 
     def execute_many(self, queries: Sequence[Node], *, optimize_query: bool = True,
                      span_mode: bool = True, logprobs: int | None = None,
@@ -120,16 +137,26 @@ class Engine:
         apart from every other salt's. ``logprobs=k`` records the top-k log-probabilities of
         each answer's first token (``Result.first_logprobs``).
         """
-        settings = QuerySettings(SpanOptions.coerce(span_options, self.span_options),
-                                 _salt(cache_salt), logprobs)
-        with self._lock:
-            plans = [
-                self.planner.plan_query(self.planner.normalize(q, optimize_query, span_mode),
-                                        span_mode, settings)
-                for q in queries
-            ]
-            return drive(plans, self._run, self._probe)
+        return self._execute(queries, optimize_query, span_mode,
+                             self._settings(span_options, cache_salt, logprobs))
 
+    def stream(self, query: Node, *, optimize_query: bool = True,
+               span_options: SpanOptions | str | None = None,
+               cache_salt: str | None = None) -> TextStream:
+        """Run one span query; its text token by token as the engine generates it (the
+        deltas concatenate to ``text``), then the stream's ``result``. Closing the stream
+        early aborts the query."""
+        settings = self._settings(span_options, cache_salt)
+        return TextStream(self._stream_items(query, optimize_query, settings))
+
+    def astream(self, query: Node, *, optimize_query: bool = True,
+                span_options: SpanOptions | str | None = None,
+                cache_salt: str | None = None) -> AsyncTextStream:
+        """Async :meth:`stream`: the engine runs in a worker thread."""
+        settings = self._settings(span_options, cache_salt)
+        return AsyncTextStream(self._astream_items(query, optimize_query, settings))
+
+    # -- baselines and inspection ----------------------------------------------------------------
     def complete_many(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                       temperature: float = 0.0, logprobs: int | None = None) -> list[Output]:
         """Generate after raw token prompts as plain requests, together (no span semantics:
@@ -189,76 +216,128 @@ class Engine:
         self.close()
 
     # -- the engine loop ------------------------------------------------------------------------
+    def _settings(self, span_options: SpanOptions | str | None, cache_salt: str | None,
+                  logprobs: int | None = None) -> QuerySettings:
+        return QuerySettings(SpanOptions.coerce(span_options, self.span_options),
+                             _salt(cache_salt), logprobs)
+
+    def _execute(self, queries: Sequence[Node], optimize_query: bool, span_mode: bool,
+                 settings: QuerySettings, stream: PartStream | None = None,
+                 cancel: threading.Event | None = None) -> list[Result]:
+        """Plan and run ``queries`` together; with ``stream``, the final generations' text is
+        streamed; ``cancel`` aborts every request in flight when it is set."""
+        with self._lock:
+            plans = [
+                self.planner.plan_query(self.planner.normalize(q, optimize_query, span_mode),
+                                        span_mode, settings)
+                for q in queries
+            ]
+            run = functools.partial(self._run, stream=stream, cancel=cancel)
+            return drive(plans, run, self._probe)
+
     def _probe(self, step: Probe) -> list[bool]:
         """Which prompts have all their blocks in the prefix cache now."""
         core = self._engine.engine_core.engine_core
         return [span_vllm.probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
                 for p, salt in zip(step.sequences, step.salts, strict=True)]
 
-    def _run(self, requests: list[Request]) -> list[Output]:
-        from vllm import SamplingParams
-
-        ids = []
+    def _run(self, requests: list[Request], stream: PartStream | None = None,
+             cancel: threading.Event | None = None) -> list[Output]:
+        """Run a batch of requests to completion by stepping the engine."""
         submitted = time.perf_counter()
+        runs: dict[str, RequestRun] = {}
         for req in requests:
             rid = f"span-{next(self._ids)}"
-            params = SamplingParams(
-                max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
-                logprobs=req.logprobs,
-                extra_args=(contract.layout_args(req.segments, self._layout_key)
-                            if req.segments else None),
-            )
-            prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt)}
-            if req.cache_salt is not None:
-                prompt["cache_salt"] = req.cache_salt
-            self._engine.add_request(rid, prompt, params)
-            ids.append(rid)
-        first: dict[str, float] = {}
-        done: dict[str, Any] = {}
-        finished_at: dict[str, float] = {}
-        short: set[str] = set()
-        by_id = dict(zip(ids, requests, strict=True))
+            self._engine.add_request(rid, tokens_prompt(req),
+                                     sampling_params(req, self._layout_key))
+            runs[rid] = RequestRun(req, submitted, stream)
+        ended: dict[str, float] = {}
         try:
-            while len(done) < len(ids):
+            while len(ended) < len(runs):
+                if cancel is not None and cancel.is_set():
+                    raise StreamClosed("the stream was closed before the answer was complete")
                 for out in self._engine.step():
-                    now = time.perf_counter()
                     rid = out.request_id
-                    if rid in done:
+                    if rid in ended:
                         continue
-                    if rid not in first and any(o.token_ids for o in out.outputs):
-                        first[rid] = now
-                        if int(out.num_cached_tokens or 0) < by_id[rid].min_cached:
-                            self._engine.abort_request([rid])
-                            short.add(rid)
-                            done[rid] = out
-                            finished_at[rid] = now
-                            continue
-                    if out.finished:
-                        done[rid] = out
-                        finished_at[rid] = now
+                    now = time.perf_counter()
+                    if runs[rid].see(out, now):
+                        self._engine.abort_request([rid])
+                        ended[rid] = now
+                    elif out.finished:
+                        ended[rid] = now
         except BaseException:
-            self._engine.abort_request([r for r in ids if r not in done])
+            self._engine.abort_request([rid for rid in runs if rid not in ended])
             raise
-        results = []
-        for rid in ids:
-            out = done[rid]
-            sample = out.outputs[0]
-            first_logprobs = (
-                {tok: lp.logprob for tok, lp in sample.logprobs[0].items()}
-                if sample.logprobs else {}
-            )
-            results.append(Output(
-                texts=[o.text for o in out.outputs],
-                token_ids=[list(o.token_ids) for o in out.outputs],
-                prompt_tokens=len(out.prompt_token_ids or []),
-                cached_tokens=int(out.num_cached_tokens or 0),
-                submitted=submitted,
-                first_token=first.get(rid, finished_at[rid]),
-                finished=finished_at[rid],
-                first_logprobs=first_logprobs,
-                short=rid in short,
-            ))
-        return results
+        return [run.output(ended[rid]) for rid, run in runs.items()]
+
+    # -- streaming ------------------------------------------------------------------------------
+    def _produce(self, query: Node, optimize_query: bool, settings: QuerySettings,
+                 put: Callable[[object], None], cancel: threading.Event) -> None:
+        """Run ``query`` (in a worker thread), handing its deltas, then its result or the
+        error it failed with, to ``put``."""
+        try:
+            [result] = self._execute([query], optimize_query, True, settings, PartStream(put),
+                                     cancel)
+            put(result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
+            put(_Failure(exc))
+
+    def _stream_items(self, query: Node, optimize_query: bool,
+                      settings: QuerySettings) -> Iterator[str | Result]:
+        items: queue.Queue[object] = queue.Queue()
+        cancel = threading.Event()
+        worker = threading.Thread(target=self._produce, name="span-stream", daemon=True,
+                                  args=(query, optimize_query, settings, items.put, cancel))
+        worker.start()
+        try:
+            while True:
+                item = _received(items.get())
+                yield item
+                if isinstance(item, Result):
+                    return
+        finally:
+            cancel.set()
+            worker.join()
+
+    async def _astream_items(self, query: Node, optimize_query: bool,
+                             settings: QuerySettings) -> AsyncIterator[str | Result]:
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[object] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item: object) -> None:
+            loop.call_soon_threadsafe(items.put_nowait, item)
+
+        worker = loop.run_in_executor(None, self._produce, query, optimize_query, settings,
+                                      put, cancel)
+        try:
+            while True:
+                item = _received(await items.get())
+                yield item
+                if isinstance(item, Result):
+                    return
+        finally:
+            cancel.set()
+            await worker
+
+
+class StreamClosed(Exception):
+    """A stream was closed before its answer was complete (its requests were aborted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """What a streaming worker hands over when the query failed."""
+
+    error: BaseException
+
+
+def _received(item: object) -> str | Result:
+    """A delta or the result from a streaming worker; raises the error it failed with."""
+    if isinstance(item, _Failure):
+        raise item.error
+    return item  # type: ignore[return-value]
 
 
 def _salt(value: str | None) -> str | None:
@@ -283,4 +362,4 @@ def available_models() -> Iterable[str]:
     return (DEFAULT_MODEL_NAME,)
 
 
-__all__ = ["Engine", "Metrics", "ModelNotAvailableError", "Result"]
+__all__ = ["Engine", "Metrics", "ModelNotAvailableError", "Result", "StreamClosed"]

@@ -29,7 +29,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from span_workflows.ir import Assistant, Cross, Fragment, Generate, Node, Plus, System, User
+from span_workflows.ir import (
+    ROLE_MESSAGES,
+    Assistant,
+    Cross,
+    Fragment,
+    Generate,
+    Node,
+    Plus,
+    System,
+    User,
+)
 
 #: Fragments shorter than this (after stripping) are not registered: they would match anywhere.
 MIN_FRAGMENT_CHARS = 8
@@ -201,11 +211,6 @@ def _is_glue(text: str) -> bool:
     return len(text) <= MAX_GLUE_CHARS and not any(c.isalnum() for c in text)
 
 
-_ROLES: dict[str, type[System] | type[User] | type[Assistant]] = {
-    "system": System, "user": User, "assistant": Assistant,
-}
-
-
 def lift_messages(
     messages: Sequence[tuple[str, str]],
     *,
@@ -223,7 +228,7 @@ def lift_messages(
 
     parts: list[Node] = []
     for role, text in messages:
-        cls = _ROLES.get(role)
+        cls = ROLE_MESSAGES.get(role)
         if cls is None:
             raise ValueError(f"unknown role {role!r}; expected system, user or assistant")
         pieces = lift(text) if role != "assistant" else [text]
@@ -259,91 +264,8 @@ def commutative_outputs(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# -- the process-wide default engine --------------------------------------------------------------
-_engine_lock = threading.Lock()
-_default_engine: Any = None
-
-
-def default_engine() -> Any:
-    """The embedded :class:`~span_workflows.engine.Engine` that integrations use when they are
-    given neither an engine nor a server: created on first use, then shared by the whole
-    process (vLLM cannot run two in-process engines)."""
-    global _default_engine
-    with _engine_lock:
-        if _default_engine is None:
-            from span_workflows.engine import Engine
-
-            _default_engine = Engine()
-        return _default_engine
-
-
-def set_default_engine(engine: Any) -> None:
-    """Make ``engine`` the one :func:`default_engine` returns (e.g. an engine you built)."""
-    global _default_engine
-    with _engine_lock:
-        _default_engine = engine
-
-
-def run_query(query: Node, *, engine: Any = None, server: Any = None,
-              **options: Any) -> Any:
-    """Run ``query`` on ``server`` (a ``SpanServer``) if given, else on ``engine`` or the
-    shared :func:`default_engine`; returns its ``Result``. ``options``: ``span_options``,
-    ``cache_salt`` (``None`` values are left out)."""
-    options = {k: v for k, v in options.items() if v is not None}
-    if server is not None:
-        return server.execute(query, **options)
-    return (engine or default_engine()).execute(query, **options)
-
-
-async def arun_query(query: Node, *, engine: Any = None, server: Any = None,
-                     **options: Any) -> Any:
-    """Async :func:`run_query`: the server call is native async, the embedded engine runs in a
-    worker thread, so the event loop is never blocked."""
-    if server is not None:
-        options = {k: v for k, v in options.items() if v is not None}
-        return await server.aexecute(query, **options)
-    import asyncio
-
-    return await asyncio.to_thread(run_query, query, engine=engine, **options)
-
-
-class QueryRunner:
-    """What a framework model (LangChain chat model, LlamaIndex LLM) needs to run span queries:
-    mixed into a model that has ``engine``, ``server_url``, a ``_get_server()`` building its
-    ``SpanServer`` and a private ``_last_result``, and may have ``span_options`` and
-    ``cache_salt`` fields (passed with every query)."""
-
-    @property
-    def last_result(self) -> Any:
-        """The ``Result`` of the latest call of this model (``None`` before the first)."""
-        return self._last_result  # type: ignore[attr-defined]
-
-    def execute(self, query: Node) -> Any:
-        """Run any span query on this model's engine or server; returns its ``Result``."""
-        self._last_result = run_query(query, engine=self.engine,  # type: ignore[attr-defined]
-                                      server=self._server_or_none(), **self._query_options())
-        return self._last_result
-
-    async def aexecute(self, query: Node) -> Any:
-        """Async :meth:`execute`: the engine call runs in a worker thread, the server call is
-        native async; the event loop is never blocked."""
-        self._last_result = await arun_query(
-            query, engine=self.engine, server=self._server_or_none(),  # type: ignore[attr-defined]
-            **self._query_options(),
-        )
-        return self._last_result
-
-    def _query_options(self) -> dict[str, Any]:
-        return {"span_options": getattr(self, "span_options", None),
-                "cache_salt": getattr(self, "cache_salt", None)}
-
-    def _server_or_none(self) -> Any:
-        return self._get_server() if self.server_url else None  # type: ignore[attr-defined]
-
-
 __all__ = [
-    "MAX_FRAGMENTS", "QueryRunner", "MAX_GLUE_CHARS", "MIN_FRAGMENT_CHARS", "Piece", "Run", "clear",
-    "commutative_outputs", "default_engine", "find_fragments", "is_registered", "lift",
-    "lift_messages", "register", "register_all", "run_query", "arun_query",
-    "set_default_engine", "span_id",
+    "MAX_FRAGMENTS", "MAX_GLUE_CHARS", "MIN_FRAGMENT_CHARS", "Piece", "Run", "clear",
+    "commutative_outputs", "find_fragments", "is_registered", "lift", "lift_messages",
+    "register", "register_all", "span_id",
 ]

@@ -16,7 +16,8 @@ and :class:`Prepare` (compute each child's KV alone before use).
 All nodes are frozen dataclasses: hashable, comparable, safe to share between trees.
 
 This module is also the one home of a tree's *shape*: which node types exist
-(:data:`NODE_TYPES`), a node's children (:func:`children_of`, :func:`with_children`), the
+(:data:`NODE_TYPES`) and which chat role each message has (:data:`ROLE_MESSAGES`,
+:func:`role_of`), a node's children (:func:`children_of`, :func:`with_children`), the
 paths that name nodes in errors and results (:func:`join_path`, :func:`child_segment`,
 :func:`child_path`, :func:`walk`) and the iterative bottom-up traversals every pass is built
 from (:func:`fold_bottom_up`, :func:`rewrite_bottom_up`).
@@ -223,6 +224,35 @@ NODE_TYPES: tuple[type, ...] = (
     Repeat, Map,
 )
 
+#: The chat roles, each with its message node (also the JSON IR's message keys).
+ROLE_MESSAGES: dict[str, type[System] | type[User] | type[Assistant]] = {
+    "system": System, "user": User, "assistant": Assistant,
+}
+#: What frameworks call these roles (LangChain's message types, LlamaIndex's ``MessageRole``).
+ROLE_ALIASES: dict[str, str] = {
+    "human": "user", "tool": "user", "function": "user",
+    "ai": "assistant", "chatbot": "assistant", "model": "assistant",
+    "developer": "system",
+}
+
+
+def role_of(message: Message) -> str:
+    """The chat role a message leaf is rendered with (fragments are user messages)."""
+    if isinstance(message, System):
+        return "system"
+    if isinstance(message, Assistant):
+        return "assistant"
+    if isinstance(message, (User, Fragment)):
+        return "user"
+    raise TypeError(f"not a message: {message!r}")
+
+
+def role_name(name: str) -> str:
+    """The chat role a framework's role name stands for (:data:`ROLE_ALIASES`); a name it
+    does not know is a user turn."""
+    name = name.lower()
+    return name if name in ROLE_MESSAGES else ROLE_ALIASES.get(name, "user")
+
 
 def children_of(node: Node) -> tuple[Node, ...]:
     """The direct sub-nodes of ``node`` (messages have none)."""
@@ -408,7 +438,8 @@ def _short(text: str, width: int = 24) -> str:
 __all__ = [
     "Assistant", "Chat", "Cross", "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "Fragment",
     "Generate", "JOIN_TYPES", "MESSAGE_TYPES", "Map", "Message", "NODE_TYPES", "Node", "Plus",
-    "Prepare", "Repeat", "Retrieve", "Seq", "System", "User", "child_path", "child_segment",
-    "children_of", "content_hash", "fold_bottom_up", "iter_nodes", "join_path",
-    "rewrite_bottom_up", "walk", "with_children",
+    "Prepare", "ROLE_ALIASES", "ROLE_MESSAGES", "Repeat", "Retrieve", "Seq", "System", "User",
+    "child_path", "child_segment", "children_of", "content_hash", "fold_bottom_up",
+    "iter_nodes", "join_path", "rewrite_bottom_up", "role_name", "role_of", "walk",
+    "with_children",
 ]

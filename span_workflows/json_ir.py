@@ -39,6 +39,7 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
+    ROLE_MESSAGES,
     Assistant,
     Chat,
     Cross,
@@ -55,6 +56,7 @@ from span_workflows.ir import (
     User,
     fold_bottom_up,
     join_path,
+    role_of,
 )
 from span_workflows.validate import MAX_DEPTH, validate
 
@@ -66,7 +68,6 @@ MAX_JSON_NESTING = 4 * MAX_DEPTH + 8
 #: spnl nodes this project does not implement (named in the error, to tell them from typos).
 _SPNL_UNSUPPORTED = frozenset({"par", "monad", "zip", "augment", "print", "ask", "file", "bulk"})
 
-_MESSAGES = {"user": User, "system": System, "assistant": Assistant}
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ def _metadata(node: Chat | Map) -> dict:
 def _to_obj_one(node: Node, kids: list[object]) -> object:
     """The JSON value of ``node`` given those of its children."""
     if isinstance(node, (System, User, Assistant)):
-        return {type(node).__name__.lower(): node.text}
+        return {role_of(node): node.text}
     if isinstance(node, Fragment):
         if node.source:
             return {"fragment": {"text": node.text, "source": node.source}}
@@ -425,8 +426,8 @@ def _open(obj: object, path: str, depth: int) -> Node | _Frame:
             path, f"a node object must have exactly one key, got {len(obj)}: {listed}"
         )
     ((kind, body),) = obj.items()
-    if kind in _MESSAGES:
-        return _MESSAGES[kind](_string(body, kind, path))
+    if kind in ROLE_MESSAGES:
+        return ROLE_MESSAGES[kind](_string(body, kind, path))
     if kind == "fragment":
         return _fragment(body, path)
     if kind in ("plus", "cross"):

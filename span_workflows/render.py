@@ -16,21 +16,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from span_workflows.ir import Assistant, Fragment, Message, System, User
+from span_workflows.ir import Message, role_of
 
 _SENTINEL = "\x1fSPANCONTENT{}\x1f"
 _NEUTRAL_SYSTEM = {"role": "system", "content": _SENTINEL.format("ctx")}
-
-
-def role_of(message: Message) -> str:
-    """The chat role a message leaf is rendered with (fragments are user messages)."""
-    if isinstance(message, System):
-        return "system"
-    if isinstance(message, Assistant):
-        return "assistant"
-    if isinstance(message, (User, Fragment)):
-        return "user"
-    raise TypeError(f"not a message: {message!r}")
 
 
 @dataclass

@@ -5,7 +5,9 @@ documents a :class:`~langchain_span_workflows.retrievers.SpanRetriever` returned
 of a :func:`~langchain_span_workflows.runnables.commutative_step`) are found inside the final
 prompt text, whatever template and ``format_docs`` put them there, and sent as a plus span
 between the ordered text before and after them
-(:func:`span_workflows.fragments.lift_messages`). Everything else stays an ordered chat.
+(:func:`span_workflows.fragments.lift_messages`). Everything else stays an ordered chat. The
+query runs on any :class:`span_workflows.backend.QueryBackend` (:mod:`span_workflows.runner`);
+streaming is token by token on both the embedded engine and a server.
 """
 
 from __future__ import annotations
@@ -18,30 +20,25 @@ from langchain_core.callbacks import (
     CallbackManagerForLLMRun,
 )
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import (
-    AIMessage,
-    AIMessageChunk,
-    BaseMessage,
-    ChatMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-)
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.utils import from_env, secret_from_env
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from span_workflows.fragments import QueryRunner, lift_messages
-from span_workflows.ir import Generate
+from span_workflows.fragments import lift_messages
+from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
+from span_workflows.result import Result
+from span_workflows.runner import QueryRunner
 
 
 class SpanChatModel(BaseChatModel, QueryRunner):
     """A chat model served by span queries: retrieved documents commute and hit the span cache.
 
-    Runs on the embedded engine (``engine=``, or the process-wide default one, created on first
-    use) or on a span server (``server_url=``, default ``$SPAN_WORKFLOWS_SERVER_URL``).
+    Runs on any query backend (``backend=``), a span server (``server_url=``, default
+    ``$SPAN_WORKFLOWS_SERVER_URL``) or the embedded engine (``engine=``, or the process-wide
+    default one, created on first use).
 
     Example:
         ```python
@@ -58,6 +55,8 @@ class SpanChatModel(BaseChatModel, QueryRunner):
 
     model_name: str = Field(default=DEFAULT_MODEL_NAME, alias="model")
     """Name reported in metadata (the engine serves one model)."""
+    backend: Any = Field(default=None, exclude=True)
+    """A ``span_workflows.backend.QueryBackend`` (an ``Engine`` or a ``SpanServer``)."""
     engine: Any = Field(default=None, exclude=True)
     """An embedded ``span_workflows.Engine``; ``None``: the shared default engine."""
     server_url: str | None = Field(
@@ -112,21 +111,10 @@ class SpanChatModel(BaseChatModel, QueryRunner):
     def to_query(self, messages: Sequence[BaseMessage], **kwargs: Any) -> Generate:
         """The span query these chat messages become (fragments lifted into plus spans)."""
         return lift_messages(
-            [(_role(m), m.text) for m in messages],
+            [(role_of_message(m), m.text) for m in messages],
             max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
             temperature=float(kwargs.get("temperature", self.temperature)),
         )
-
-    def _get_server(self) -> Any:
-        if self._server is None:
-            from span_workflows.serving.client import SpanServer
-
-            self._server = SpanServer(
-                self.server_url or "",
-                api_key=self.api_key.get_secret_value() if self.api_key else None,
-                timeout=self.timeout or 600.0, retries=self.max_retries,
-            )
-        return self._server
 
     # -- generation -----------------------------------------------------------------------------
     def _generate(
@@ -156,13 +144,14 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        # The embedded engine returns whole answers: the stream is one chunk carrying the text,
-        # the usage and the response metadata.
-        result = self.execute(self.to_query(messages, **kwargs))
-        chunk = self._chunk(result, stop)
-        if run_manager:
-            run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-        yield chunk
+        cut = _StopCut(stop or self.stop)
+        for piece in self.stream_query(self.to_query(messages, **kwargs)):
+            chunk = self._chunk(cut.add(piece.delta, last=piece.result is not None),
+                                piece.result)
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            if chunk.text or piece.result is not None:
+                yield chunk
 
     async def _astream(
         self,
@@ -171,11 +160,14 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        result = await self.aexecute(self.to_query(messages, **kwargs))
-        chunk = self._chunk(result, stop)
-        if run_manager:
-            await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-        yield chunk
+        cut = _StopCut(stop or self.stop)
+        async for piece in self.astream_query(self.to_query(messages, **kwargs)):
+            chunk = self._chunk(cut.add(piece.delta, last=piece.result is not None),
+                                piece.result)
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            if chunk.text or piece.result is not None:
+                yield chunk
 
     def _chat_result(self, result: Any, stop: list[str] | None) -> ChatResult:
         text = _apply_stop(result.text, stop or self.stop)
@@ -190,8 +182,11 @@ class SpanChatModel(BaseChatModel, QueryRunner):
                         "token_usage": dict(_usage(result))},
         )
 
-    def _chunk(self, result: Any, stop: list[str] | None) -> ChatGenerationChunk:
-        text = _apply_stop(result.text, stop or self.stop)
+    def _chunk(self, text: str, result: Result | None) -> ChatGenerationChunk:
+        """A chunk of streamed text; the last one (with the result) also carries the usage
+        and the response metadata."""
+        if result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=text))
         return ChatGenerationChunk(message=AIMessageChunk(
             content=text,
             usage_metadata=_usage(result),
@@ -209,18 +204,9 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         }
 
 
-def _role(message: BaseMessage) -> str:
-    if isinstance(message, SystemMessage):
-        return "system"
-    if isinstance(message, AIMessage):
-        return "assistant"
-    if isinstance(message, (HumanMessage, ToolMessage)):
-        return "user"
-    if isinstance(message, ChatMessage):
-        role = message.role.lower()
-        return {"human": "user", "ai": "assistant"}.get(role, role) if role in (
-            "system", "user", "assistant", "human", "ai") else "user"
-    return "user"
+def role_of_message(message: BaseMessage) -> str:
+    """The chat role of a LangChain message (its ``type``, or a ``ChatMessage``'s ``role``)."""
+    return role_name(message.role if isinstance(message, ChatMessage) else message.type)
 
 
 def _usage(result: Any) -> UsageMetadata:
@@ -242,6 +228,32 @@ def _apply_stop(text: str, stop: list[str] | None) -> str:
             if 0 <= at < cut:
                 cut = at
     return text[:cut]
+
+
+class _StopCut:
+    """Streamed text cut before its first stop sequence: :meth:`add` takes a delta and
+    returns what may be shown, holding back a tail that could still begin a stop sequence
+    (released with the last delta)."""
+
+    def __init__(self, stop: list[str] | None) -> None:
+        self.stop = [s for s in stop or [] if s]
+        self.hold = max((len(s) - 1 for s in self.stop), default=0)
+        self.text = ""
+        self.shown = 0
+        self.stopped = False
+
+    def add(self, delta: str, last: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.text += delta
+        cut = _apply_stop(self.text, self.stop)
+        if len(cut) < len(self.text):
+            self.stopped = True
+            end = len(cut)
+        else:
+            end = len(cut) if last else max(self.shown, len(cut) - self.hold)
+        shown, self.shown = cut[self.shown:end], end
+        return shown
 
 
 __all__ = ["SpanChatModel"]

@@ -9,7 +9,7 @@ from langchain_core.messages import BaseMessage
 from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import RunnableLambda
 
-from langchain_span_workflows.chat_models import SpanChatModel, _role
+from langchain_span_workflows.chat_models import SpanChatModel, role_of_message
 from span_workflows.builders import agent_step, judge_generator
 from span_workflows.fragments import commutative_outputs
 from span_workflows.ir import Generate
@@ -70,7 +70,7 @@ def agent_step_runnable(
         if not isinstance(value, dict):
             raise TypeError("agent_step_runnable expects a dict with history and observations")
         history = [
-            (_role(m), m.text) if isinstance(m, BaseMessage) else m
+            (role_of_message(m), m.text) if isinstance(m, BaseMessage) else m
             for m in value.get("history", [])
         ]
         return agent_step(

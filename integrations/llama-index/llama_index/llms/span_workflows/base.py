@@ -4,7 +4,9 @@ Prompts are lifted like in the LangChain integration (:func:`span_workflows.frag
 lift_messages`): the registered fragments found in a prompt (the nodes a
 :class:`llama_index.retrievers.span_workflows.SpanRetriever` returned, whatever the response
 synthesizer's template put around them) become a plus span between the ordered text before and
-after them, so the nodes hit the span cache in any order.
+after them, so the nodes hit the span cache in any order. The query runs on any
+:class:`span_workflows.backend.QueryBackend` (:mod:`span_workflows.runner`); streaming is token
+by token on both the embedded engine and a server.
 """
 
 from __future__ import annotations
@@ -26,29 +28,31 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from span_workflows.fragments import QueryRunner, commutative_outputs, lift_messages
-from span_workflows.ir import Generate
+from span_workflows.fragments import commutative_outputs, lift_messages
+from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
-
-_ROLES = {
-    MessageRole.SYSTEM: "system", MessageRole.DEVELOPER: "system",
-    MessageRole.ASSISTANT: "assistant", MessageRole.CHATBOT: "assistant",
-    MessageRole.MODEL: "assistant",
-}
+from span_workflows.result import Result
+from span_workflows.runner import Chunk, QueryRunner
 
 
 class SpanLLM(CustomLLM, QueryRunner):
     """A LlamaIndex LLM served by span queries: retrieved nodes commute and hit the span cache.
 
-    Runs on the embedded engine (``engine=``, or the process-wide default one, created on first
-    use) or on a span server (``server_url=``). ``last_result`` holds the
-    :class:`span_workflows.engine.Result` of the latest call.
+    Runs on any query backend (``backend=``), a span server (``server_url=``) or the embedded
+    engine (``engine=``, or the process-wide default one, created on first use).
+    ``last_result`` holds the :class:`span_workflows.result.Result` of the latest call.
     """
 
     model_name: str = Field(default=DEFAULT_MODEL_NAME, description="Name of the model.")
+    backend: Any = Field(default=None, exclude=True, description=(
+        "A span_workflows QueryBackend (an Engine or a SpanServer)."))
     engine: Any = Field(default=None, exclude=True, description="An embedded Engine.")
     server_url: str | None = Field(default=None, description="URL of a span server.")
     api_key: str | None = Field(default=None, exclude=True, description="Server API key.")
+    timeout: float | None = Field(default=None, description=(
+        "Seconds a server request may take (None: 600)."))
+    max_retries: int = Field(default=0, description=(
+        "How many more times a server request is tried while the server cannot be reached."))
     max_tokens: int = Field(default=256, description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, description="Sampling temperature.")
     context_window: int = Field(default=8192, description="Context window in tokens.")
@@ -76,7 +80,7 @@ class SpanLLM(CustomLLM, QueryRunner):
     # -- queries --------------------------------------------------------------------------------
     def to_query(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generate:
         """The span query these messages become (fragments lifted into plus spans)."""
-        pairs = [(_ROLES.get(m.role, "user"), m.content or "") for m in messages]
+        pairs = [(role_name(m.role.value), m.content or "") for m in messages]
         if self.system_prompt and not any(role == "system" for role, _ in pairs):
             pairs.insert(0, ("system", self.system_prompt))
         return lift_messages(
@@ -84,13 +88,6 @@ class SpanLLM(CustomLLM, QueryRunner):
             max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
             temperature=float(kwargs.get("temperature", self.temperature)),
         )
-
-    def _get_server(self) -> Any:
-        if self._server is None:
-            from span_workflows.serving.client import SpanServer
-
-            self._server = SpanServer(self.server_url or "", api_key=self.api_key)
-        return self._server
 
     # -- completion -----------------------------------------------------------------------------
     @llm_completion_callback()
@@ -110,8 +107,10 @@ class SpanLLM(CustomLLM, QueryRunner):
         query = self._prompt_query(prompt, formatted, **kwargs)
 
         def gen() -> CompletionResponseGen:
-            # The embedded engine returns whole answers: one delta with all the text.
-            yield _completion(self.execute(query), stream=True)
+            text = ""
+            for chunk in self.stream_query(query):
+                text += chunk.delta
+                yield _completion_delta(text, chunk)
 
         return gen()
 
@@ -121,7 +120,10 @@ class SpanLLM(CustomLLM, QueryRunner):
         query = self._prompt_query(prompt, formatted, **kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
-            yield _completion(await self.aexecute(query), stream=True)
+            text = ""
+            async for chunk in self.astream_query(query):
+                text += chunk.delta
+                yield _completion_delta(text, chunk)
 
         return gen()
 
@@ -144,7 +146,10 @@ class SpanLLM(CustomLLM, QueryRunner):
         query = self.to_query(messages, **kwargs)
 
         def gen() -> ChatResponseGen:
-            yield _chat(self.execute(query), stream=True)
+            text = ""
+            for chunk in self.stream_query(query):
+                text += chunk.delta
+                yield _chat_delta(text, chunk)
 
         return gen()
 
@@ -154,12 +159,17 @@ class SpanLLM(CustomLLM, QueryRunner):
         query = self.to_query(messages, **kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
-            yield _chat(await self.aexecute(query), stream=True)
+            text = ""
+            async for chunk in self.astream_query(query):
+                text += chunk.delta
+                yield _chat_delta(text, chunk)
 
         return gen()
 
 
-def _usage(result: Any) -> dict[str, Any]:
+def _usage(result: Result | None) -> dict[str, Any]:
+    if result is None:
+        return {}
     m = result.metrics
     return {
         "prompt_tokens": m.prompt_tokens, "completion_tokens": m.generated_tokens,
@@ -168,19 +178,29 @@ def _usage(result: Any) -> dict[str, Any]:
     }
 
 
-def _completion(result: Any, stream: bool = False) -> CompletionResponse:
-    return CompletionResponse(
-        text=result.text, delta=result.text if stream else None,
-        additional_kwargs=_usage(result), raw={"usage": _usage(result)},
-    )
+def _completion(result: Result) -> CompletionResponse:
+    return CompletionResponse(text=result.text, additional_kwargs=_usage(result),
+                              raw={"usage": _usage(result)})
 
 
-def _chat(result: Any, stream: bool = False) -> ChatResponse:
-    return ChatResponse(
-        message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-        delta=result.text if stream else None,
-        additional_kwargs=_usage(result), raw={"usage": _usage(result)},
-    )
+def _completion_delta(text: str, chunk: Chunk) -> CompletionResponse:
+    """A streamed completion: the text so far and its delta; the last carries the usage."""
+    usage = _usage(chunk.result)
+    return CompletionResponse(text=text, delta=chunk.delta, additional_kwargs=usage,
+                              raw={"usage": usage} if usage else None)
+
+
+def _chat(result: Result) -> ChatResponse:
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+                        additional_kwargs=_usage(result), raw={"usage": _usage(result)})
+
+
+def _chat_delta(text: str, chunk: Chunk) -> ChatResponse:
+    """A streamed chat answer: the text so far and its delta; the last carries the usage."""
+    usage = _usage(chunk.result)
+    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                        delta=chunk.delta, additional_kwargs=usage,
+                        raw={"usage": usage} if usage else None)
 
 
 #: Wrap a (sync or async) function so the collection it returns is registered as commuting

@@ -1,0 +1,129 @@
+"""Where a framework model's span queries run: the process-wide default engine, and the mixin
+that LangChain's ``SpanChatModel`` and LlamaIndex's ``SpanLLM`` share.
+
+A framework model runs its queries on a :class:`~span_workflows.backend.QueryBackend`, chosen
+once per call in this order: the one given as ``backend=``; a
+:class:`~span_workflows.serving.client.SpanServer` for ``server_url=`` (built once per model,
+with its ``api_key``, ``timeout`` and ``max_retries``); the embedded engine given as
+``engine=``; else the process-wide :func:`default_engine` (created on first use: vLLM cannot run
+two in-process engines).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from span_workflows.backend import QueryBackend
+from span_workflows.ir import Node
+from span_workflows.result import Result
+from span_workflows.streaming import AsyncTextStream, TextStream
+
+_engine_lock = threading.Lock()
+_default_engine: Any = None
+
+
+def default_engine() -> Any:
+    """The embedded :class:`~span_workflows.engine.Engine` that framework models use when
+    they are given no backend: created on first use, then shared by the whole process."""
+    global _default_engine
+    with _engine_lock:
+        if _default_engine is None:
+            from span_workflows.engine import Engine
+
+            _default_engine = Engine()
+        return _default_engine
+
+
+def set_default_engine(engine: Any) -> None:
+    """Make ``engine`` the one :func:`default_engine` returns (e.g. an engine you built)."""
+    global _default_engine
+    with _engine_lock:
+        _default_engine = engine
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of a streamed answer; the last piece of a stream carries the ``result``."""
+
+    delta: str
+    result: Result | None = None
+
+
+class QueryRunner:
+    """What a framework model needs to run span queries on its backend.
+
+    Mixed into a model with the fields ``backend``, ``server_url``, ``engine``, ``api_key``
+    (a str or a pydantic ``SecretStr``), ``timeout``, ``max_retries``, ``span_options`` and
+    ``cache_salt`` (the last two are passed with every query when set), and the private
+    attributes ``_server`` (the ``SpanServer`` it built) and ``_last_result``.
+    """
+
+    @property
+    def last_result(self) -> Result | None:
+        """The :class:`Result` of the latest call of this model (``None`` before the first)."""
+        return self._last_result  # type: ignore[attr-defined]
+
+    def query_backend(self) -> QueryBackend:
+        """The backend this model's queries run on (see the module docstring)."""
+        if self.backend is not None:  # type: ignore[attr-defined]
+            return self.backend  # type: ignore[attr-defined]
+        if self.server_url:  # type: ignore[attr-defined]
+            if self._server is None:  # type: ignore[has-type]
+                from span_workflows.serving.client import SpanServer
+
+                key = self.api_key  # type: ignore[attr-defined]
+                self._server = SpanServer(
+                    self.server_url,  # type: ignore[attr-defined]
+                    api_key=key.get_secret_value() if hasattr(key, "get_secret_value") else key,
+                    timeout=self.timeout or 600.0,  # type: ignore[attr-defined]
+                    retries=self.max_retries,  # type: ignore[attr-defined]
+                )
+            return self._server
+        return self.engine or default_engine()  # type: ignore[attr-defined]
+
+    def execute(self, query: Node) -> Result:
+        """Run any span query on this model's backend; returns its :class:`Result`."""
+        self._last_result = self.query_backend().execute(query, **self._query_options())
+        return self._last_result
+
+    async def aexecute(self, query: Node) -> Result:
+        """Async :meth:`execute` (the event loop is never blocked)."""
+        backend = self.query_backend()
+        self._last_result = await backend.aexecute(query, **self._query_options())
+        return self._last_result
+
+    def stream_query(self, query: Node) -> Iterator[Chunk]:
+        """Run a span query on this model's backend, its answer in :class:`Chunk` s as it is
+        generated; the last chunk carries the result."""
+        with self.query_backend().stream(query, **self._query_options()) as stream:
+            held: str | None = None  # one delta is held back, to go out with the result
+            for delta in stream:
+                if held is not None:
+                    yield Chunk(held)
+                held = delta
+            yield self._last_chunk(held, stream)
+
+    async def astream_query(self, query: Node) -> AsyncIterator[Chunk]:
+        """Async :meth:`stream_query`."""
+        async with self.query_backend().astream(query, **self._query_options()) as stream:
+            held: str | None = None
+            async for delta in stream:
+                if held is not None:
+                    yield Chunk(held)
+                held = delta
+            yield self._last_chunk(held, stream)
+
+    def _last_chunk(self, held: str | None, stream: TextStream | AsyncTextStream) -> Chunk:
+        self._last_result = stream.result
+        return Chunk(held or "", stream.result)
+
+    def _query_options(self) -> dict[str, Any]:
+        options = {"span_options": getattr(self, "span_options", None),
+                   "cache_salt": getattr(self, "cache_salt", None)}
+        return {k: v for k, v in options.items() if v is not None}
+
+
+__all__ = ["Chunk", "QueryRunner", "default_engine", "set_default_engine"]

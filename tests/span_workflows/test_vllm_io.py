@@ -1,0 +1,52 @@
+"""A plan request on its way into vLLM and its outputs on the way back (stub outputs)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from span_vllm import contract
+from span_workflows.plan import Request
+from span_workflows.streaming import PartStream
+from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
+
+SEGMENTS = ((32, contract.ANCHORED), (64, contract.ORDERED))
+
+
+def _out(text: str, tokens: list[int], cached: int, finished: bool = False) -> SimpleNamespace:
+    sample = SimpleNamespace(index=0, text=text, token_ids=tokens, logprobs=None)
+    return SimpleNamespace(outputs=[sample], prompt_token_ids=None, num_cached_tokens=cached,
+                           finished=finished)
+
+
+def test_segments_and_salt_travel_next_to_the_tokens() -> None:
+    req = Request([1, 2, 3], max_tokens=0, temperature=0.7, n=2, segments=SEGMENTS,
+                  cache_salt="tenant")
+    assert tokens_prompt(req) == {"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant"}
+    params = sampling_params(req, "key")
+    assert params.max_tokens == 1 and params.n == 2  # at least one token is generated
+    assert params.extra_args == contract.layout_args(SEGMENTS, "key")
+    plain = sampling_params(Request([1], 4, 0.0), "key")
+    assert plain.extra_args is None and "cache_salt" not in tokens_prompt(Request([1], 4, 0.0))
+
+
+def test_a_run_streams_its_part_and_reports_its_output() -> None:
+    deltas: list[str] = []
+    run = RequestRun(Request([1, 2, 3], 4, 0.0, part=0, min_cached=2), 10.0,
+                     PartStream(deltas.append))
+    assert run.see(_out("", [], 3), 10.5) is False          # no token yet
+    assert run.see(_out("Hel", [7], 3), 11.0) is False
+    assert run.see(_out("Hello", [7, 8], 3, finished=True), 11.5) is False
+    out = run.output(12.0)
+    assert deltas == ["Hel", "lo"]
+    assert (out.texts, out.token_ids, out.prompt_tokens, out.cached_tokens) == (
+        ["Hello"], [[7, 8]], 3, 3)
+    assert (out.submitted, out.first_token, out.finished, out.short) == (10.0, 11.0, 12.0, False)
+
+
+def test_a_run_whose_hits_fell_short_is_aborted_before_it_streams() -> None:
+    deltas: list[str] = []
+    run = RequestRun(Request([1, 2, 3], 4, 0.0, part=0, min_cached=3), 0.0,
+                     PartStream(deltas.append))
+    assert run.see(_out("Hel", [7], 2), 1.0) is True
+    out = run.output(1.0)
+    assert out.short and deltas == []
