@@ -165,7 +165,7 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     run (the reference of ``kl_first_token`` and ``speedup_hit``)."""
     from tqdm.auto import tqdm
 
-    from span_workflows.bench import documents
+    from span_workflows.apps.bench import documents
 
     names = ["stock", *[n for n in variant_names if n != "stock"]]
     variants = [_variant(n) for n in names]

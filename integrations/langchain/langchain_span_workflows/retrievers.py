@@ -1,7 +1,7 @@
 """``SpanRetriever``: documents that commute.
 
 Wraps any LangChain retriever, or searches texts itself (all-MiniLM-L6-v2 embeddings in a faiss
-index, :class:`span_workflows.corpus.VectorIndex`). The documents it returns are ordinary
+index, :class:`span_workflows.retrieval.VectorIndex`). The documents it returns are ordinary
 ``Document`` s; each one's ``page_content`` is registered as a commutative fragment
 (:func:`span_workflows.fragments.register`) and its metadata says so (``span_id``: the content
 hash, ``span_commutative``: ``True``), so a :class:`~langchain_span_workflows.SpanChatModel`
@@ -109,7 +109,7 @@ class SpanRetriever(BaseRetriever):
 
     def _get_index(self) -> Any:
         if self._index is None:
-            from span_workflows.corpus import VectorIndex
+            from span_workflows.retrieval import VectorIndex
 
             assert self.texts is not None
             index = VectorIndex.from_texts(self.texts)

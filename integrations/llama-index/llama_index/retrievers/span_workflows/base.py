@@ -1,7 +1,7 @@
 """``SpanRetriever`` for LlamaIndex: retrieved nodes that commute.
 
 Wraps any LlamaIndex retriever, or searches nodes/texts itself (all-MiniLM-L6-v2 + faiss,
-:class:`span_workflows.corpus.VectorIndex`). Each returned node's prompt text (its content as a
+:class:`span_workflows.retrieval.VectorIndex`). Each returned node's prompt text (its content as a
 response synthesizer formats it, ``MetadataMode.LLM``) is registered as a commutative fragment
 (:func:`span_workflows.fragments.register`) and its metadata marks it (``span_id``,
 ``span_commutative``; both kept out of the LLM and embedding text), so
@@ -105,7 +105,7 @@ class SpanRetriever(BaseRetriever):
     def _get_index(self) -> Any:
         with self._lock:
             if self._index is None:
-                from span_workflows.corpus import VectorIndex
+                from span_workflows.retrieval import VectorIndex
 
                 assert self.nodes is not None
                 texts = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in self.nodes]

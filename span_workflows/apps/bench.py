@@ -11,7 +11,7 @@ meaningful on a shared, noisy machine even when absolute times are not.
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query.
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
-  rewrite, crop on and off (:mod:`span_workflows.bench_locality`).
+  rewrite, crop on and off (:mod:`span_workflows.apps.bench_locality`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.report import plot, print_table
 from span_workflows.builders import g, judge_generator, rag, user
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+#: Where the committed results live (``benchmarks/results`` of the repository).
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
 _STDLIB = (
@@ -188,48 +190,6 @@ def bench_compile(engine: Any, docs_counts: Sequence[int], doc_tokens: int,
     return rows
 
 
-def print_table(rows: list[dict[str, Any]], console: Callable[[str], None] = print) -> None:
-    """A plain aligned table of ``rows``."""
-    if not rows:
-        return
-    keys = list(rows[0])
-    cells = [[_fmt(r[k]) for k in keys] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    console("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
-    for c in cells:
-        console("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4f}" if value < 100 else f"{value:.1f}"
-    return str(value)
-
-
-def plot(rows: list[dict[str, Any]], x: str, ys: Sequence[str], path: Path, title: str,
-         ylabel: str, log: bool = True) -> None:
-    """A line plot of columns ``ys`` against ``x`` saved as PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for y in ys:
-        ax.plot([r[x] for r in rows], [r[y] for r in rows], marker="o", label=y)
-    if log:
-        ax.set_yscale("log")
-    ax.set_xlabel(x)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -261,7 +221,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         raise SpanQueryError("bench", f"unknown benchmark {name!r} "
                                       "(rag, nested, reposition, compile, locality)")
     if name == "locality":
-        from span_workflows.bench_locality import run_locality
+        from span_workflows.apps.bench_locality import run_locality
 
         return run_locality(args)
     if name == "reposition":

@@ -206,7 +206,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from span_workflows.demo import run_demo
+    from span_workflows.apps.demo import run_demo
 
     engine = None
     if args.model:
@@ -227,7 +227,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from span_workflows.bench import run_bench
+    from span_workflows.apps.bench import run_bench
 
     return run_bench(args.name, args.rest)
 

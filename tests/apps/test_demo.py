@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from span_workflows.corpus import VectorIndex, chunk_documents, module_documents
-from span_workflows.demo import DEFAULT_QUESTIONS, run_demo
+from span_workflows.apps.corpus import chunk_documents, module_documents
+from span_workflows.apps.demo import DEFAULT_QUESTIONS, run_demo
+from span_workflows.retrieval import VectorIndex
 
 pytestmark = pytest.mark.engine
 

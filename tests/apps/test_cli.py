@@ -11,7 +11,7 @@ import pytest
 
 from span_workflows import rag, to_json
 
-CLI = [sys.executable, "-m", "span_workflows.cli"]
+CLI = [sys.executable, "-m", "span_workflows.apps.cli"]
 DOCS = [
     "The lighthouse on Gull Rock was built in 1871 and painted red and white.",
     "Keeper Ada Lind kept the Gull Rock light burning for forty-two winters.",

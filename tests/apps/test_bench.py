@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from span_workflows import bench
+from span_workflows.apps import bench
 
 RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s", "ttft_floor_s",
             "speedup_hit", "speedup_miss", "hit_rate", "same_output"}
@@ -60,7 +60,7 @@ LOCALITY_KEYS = {"hay_chars", "position", "trials", "flat_accuracy", "tournament
 
 @pytest.mark.engine
 def test_locality_bench_scores_flat_tournament_and_the_needle_pair(engine) -> None:
-    from span_workflows.bench_locality import bench_locality, markdown_table
+    from span_workflows.apps.bench_locality import bench_locality, markdown_table
 
     rows = bench_locality(engine, hay_chars=[0], trials=2, positions=["end"],
                           crop_modes=(True,), batch=2, progress=False)

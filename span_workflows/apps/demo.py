@@ -13,8 +13,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from span_workflows.apps.corpus import stdlib_index
 from span_workflows.builders import fragment, g, rag
-from span_workflows.corpus import Passage, VectorIndex
+from span_workflows.retrieval import Passage, VectorIndex
 
 DEFAULT_QUESTIONS: tuple[str, ...] = (
     "How do I serialize a Python object to a JSON string?",
@@ -44,7 +45,7 @@ def run_demo(
 
     ``engine``: an :class:`~span_workflows.engine.Engine` (one is started, and closed at the
     end, when ``None``). ``console``: a print-like callable, or a ``rich`` Console.
-    ``index``: the retriever (default: :meth:`VectorIndex.stdlib`, built once and cached).
+    ``index``: the retriever (default: :func:`stdlib_index`, built once and cached).
 
     Each row holds ``question``, ``order`` (``"retrieved"`` or ``"reversed"``), ``answer`` (span),
     ``stock_answer``, ``sources``, ``span`` and ``stock`` (metrics dicts) and the flat keys
@@ -55,7 +56,7 @@ def run_demo(
     questions = list(questions)
     if index is None:
         say("Loading the stdlib documentation index (built once, then cached)…")
-        index = VectorIndex.stdlib(progress=True)
+        index = stdlib_index(progress=True)
     retrieved = [(q, index.search(q, k)) for q in questions]
 
     own = engine is None

@@ -357,12 +357,12 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
 
 
 def run_locality(args: Any) -> int:
-    """``span-workflows bench locality`` (``args`` from :func:`span_workflows.bench.run_bench`):
-    run, print the table, write ``--json`` (one row per hay length and needle position),
-    ``--markdown`` and ``--plot``."""
+    """``span-workflows bench locality`` (``args`` from
+    :func:`span_workflows.apps.bench.run_bench`): run, print the table, write ``--json`` (one
+    row per hay length and needle position), ``--markdown`` and ``--plot``."""
     import json
 
-    from span_workflows.bench import print_table
+    from span_workflows.apps.report import print_table
     from span_workflows.engine import Engine
 
     for p in args.positions:

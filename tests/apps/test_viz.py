@@ -6,10 +6,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+from span_workflows.apps.viz import draw_tree, show_token_form, tree_layout  # noqa: E402
 from span_workflows.builders import judge_generator, rag  # noqa: E402
 from span_workflows.ir import iter_nodes  # noqa: E402
 from span_workflows.optimize import optimize  # noqa: E402
-from span_workflows.viz import draw_tree, show_token_form, tree_layout  # noqa: E402
 
 
 def test_layout_places_every_node_once_per_occurrence():
