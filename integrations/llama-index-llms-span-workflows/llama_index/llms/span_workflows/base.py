@@ -28,6 +28,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+
 from span_workflows.fragments import commutative_outputs, lift_messages
 from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
