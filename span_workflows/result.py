@@ -27,6 +27,12 @@ class Metrics:
         """Every metric under its field name, JSON-ready (the CLI's and the wire's form)."""
         return asdict(self)
 
+    def usage(self) -> dict[str, int]:
+        """OpenAI-style usage (final generations only; prepare requests are not billed)."""
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "completion_tokens": self.generated_tokens,
+                "total_tokens": self.prompt_tokens + self.generated_tokens}
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Metrics:
         """The inverse of :meth:`to_dict`; a missing metric is 0."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from span_workflows.backend import QueryBackend
 from span_workflows.ir import Node
@@ -55,34 +55,44 @@ class Chunk:
 class QueryRunner:
     """What a framework model needs to run span queries on its backend.
 
-    Mixed into a model with the fields ``backend``, ``server_url``, ``engine``, ``api_key``
-    (a str or a pydantic ``SecretStr``), ``timeout``, ``max_retries``, ``span_options`` and
-    ``cache_salt`` (the last two are passed with every query when set), and the private
-    attributes ``_server`` (the ``SpanServer`` it built) and ``_last_result``.
+    Mixed into a model that declares the fields below (``span_options`` and ``cache_salt`` are
+    passed with every query when set) and the private attributes ``_server`` (the
+    ``SpanServer`` it built) and ``_last_result``.
     """
+
+    if TYPE_CHECKING:  # declared by each framework model, in its framework's own way
+        backend: QueryBackend | None
+        server_url: str | None
+        engine: QueryBackend | None
+        api_key: Any  # a str, or a pydantic SecretStr
+        timeout: float | None
+        max_retries: int
+        span_options: Any
+        cache_salt: str | None
+        _server: QueryBackend | None
+        _last_result: Result | None
 
     @property
     def last_result(self) -> Result | None:
         """The :class:`Result` of the latest call of this model (``None`` before the first)."""
-        return self._last_result  # type: ignore[attr-defined]
+        return self._last_result
 
     def query_backend(self) -> QueryBackend:
         """The backend this model's queries run on (see the module docstring)."""
-        if self.backend is not None:  # type: ignore[attr-defined]
-            return self.backend  # type: ignore[attr-defined]
-        if self.server_url:  # type: ignore[attr-defined]
-            if self._server is None:  # type: ignore[has-type]
+        if self.backend is not None:
+            return self.backend
+        if self.server_url:
+            if self._server is None:
                 from span_workflows.serving.client import SpanServer
 
-                key = self.api_key  # type: ignore[attr-defined]
+                key = self.api_key
                 self._server = SpanServer(
-                    self.server_url,  # type: ignore[attr-defined]
+                    self.server_url,
                     api_key=key.get_secret_value() if hasattr(key, "get_secret_value") else key,
-                    timeout=self.timeout or 600.0,  # type: ignore[attr-defined]
-                    retries=self.max_retries,  # type: ignore[attr-defined]
+                    timeout=self.timeout or 600.0, retries=self.max_retries,
                 )
             return self._server
-        return self.engine or default_engine()  # type: ignore[attr-defined]
+        return self.engine or default_engine()
 
     def execute(self, query: Node) -> Result:
         """Run any span query on this model's backend; returns its :class:`Result`."""
@@ -121,8 +131,7 @@ class QueryRunner:
         return Chunk(held or "", stream.result)
 
     def _query_options(self) -> dict[str, Any]:
-        options = {"span_options": getattr(self, "span_options", None),
-                   "cache_salt": getattr(self, "cache_salt", None)}
+        options = {"span_options": self.span_options, "cache_salt": self.cache_salt}
         return {k: v for k, v in options.items() if v is not None}
 
 

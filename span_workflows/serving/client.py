@@ -18,6 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import httpx
@@ -134,17 +135,15 @@ class SpanServer:
         request = self._client.build_request("POST", wire.EXECUTE_PATH, json=body)
         response = self._retrying(lambda: self._client.send(request, stream=True))
         try:
-            if response.status_code != 200:
-                response.read()
-                wire.parse_answer(response.status_code, response.text, self.url)  # raises
-            for line in response.iter_lines():
-                item = wire.parse_event(line, self.url)
-                if item is not None:
-                    yield item
-                if isinstance(item, Result):
-                    return
-        except httpx.TransportError as exc:
-            raise self._unavailable(exc) from exc
+            with self._reachable():
+                if response.status_code != 200:
+                    response.read()
+                    wire.parse_answer(response.status_code, response.text, self.url)  # raises
+                for line in response.iter_lines():
+                    if (item := wire.parse_event(line, self.url)) is not None:
+                        yield item
+                        if isinstance(item, Result):
+                            return
         finally:
             response.close()
 
@@ -154,19 +153,26 @@ class SpanServer:
             request = client.build_request("POST", wire.EXECUTE_PATH, json=body)
             response = await self._aretrying(lambda: client.send(request, stream=True))
             try:
-                if response.status_code != 200:
-                    await response.aread()
-                    wire.parse_answer(response.status_code, response.text, self.url)
-                async for line in response.aiter_lines():
-                    item = wire.parse_event(line, self.url)
-                    if item is not None:
-                        yield item
-                    if isinstance(item, Result):
-                        return
-            except httpx.TransportError as exc:
-                raise self._unavailable(exc) from exc
+                with self._reachable():
+                    if response.status_code != 200:
+                        await response.aread()
+                        wire.parse_answer(response.status_code, response.text, self.url)
+                    async for line in response.aiter_lines():
+                        if (item := wire.parse_event(line, self.url)) is not None:
+                            yield item
+                            if isinstance(item, Result):
+                                return
             finally:
                 await response.aclose()
+
+    @contextmanager
+    def _reachable(self) -> Iterator[None]:
+        """Turns a transport failure (the server went away mid-answer) into the client's
+        error."""
+        try:
+            yield
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
 
     def _retrying(self, send: Callable[[], T]) -> T:
         """``send()``, tried again (``retries`` times) while the server cannot be reached."""

@@ -107,19 +107,9 @@ def parse_body(body: bytes) -> QueryBody:
 # -- answers ---------------------------------------------------------------------------------
 
 
-def usage(result: Result) -> dict[str, int]:
-    """OpenAI-style usage of a result (final generations only; prepares are not billed)."""
-    m = result.metrics
-    return {
-        "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
-        "completion_tokens": m.generated_tokens,
-        "total_tokens": m.prompt_tokens + m.generated_tokens,
-    }
-
-
 def result_body(result: Result) -> dict[str, Any]:
     """The JSON answer of an executed query."""
-    return {"text": result.text, "texts": list(result.texts), "usage": usage(result),
+    return {"text": result.text, "texts": list(result.texts), "usage": result.metrics.usage(),
             "metrics": result.metrics.to_dict()}
 
 
@@ -230,5 +220,5 @@ __all__ = [
     "EXECUTE_PATH", "HEALTH_PATH", "MAX_BODY_BYTES", "QueryBody", "SSE_MEDIA_TYPE",
     "WRAPPER_KEYS", "delta_event", "done_event", "error_body", "error_event", "parse_answer",
     "parse_body", "parse_event", "parse_result", "request_body", "result_body", "sse",
-    "too_large_body", "usage",
+    "too_large_body",
 ]

@@ -11,8 +11,8 @@ by token on both the embedded engine and a server.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -34,6 +34,8 @@ from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
 from span_workflows.result import Result
 from span_workflows.runner import Chunk, QueryRunner
+
+R = TypeVar("R", CompletionResponse, ChatResponse)
 
 
 class SpanLLM(CustomLLM, QueryRunner):
@@ -105,33 +107,35 @@ class SpanLLM(CustomLLM, QueryRunner):
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False,
                         **kwargs: Any) -> CompletionResponseGen:
-        query = self._prompt_query(prompt, formatted, **kwargs)
-
-        def gen() -> CompletionResponseGen:
-            text = ""
-            for chunk in self.stream_query(query):
-                text += chunk.delta
-                yield _completion_delta(text, chunk)
-
-        return gen()
+        return self._responses(self._prompt_query(prompt, formatted, **kwargs),
+                               _completion_delta)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False,
                                **kwargs: Any) -> CompletionResponseAsyncGen:
-        query = self._prompt_query(prompt, formatted, **kwargs)
-
-        async def gen() -> CompletionResponseAsyncGen:
-            text = ""
-            async for chunk in self.astream_query(query):
-                text += chunk.delta
-                yield _completion_delta(text, chunk)
-
-        return gen()
+        return self._aresponses(self._prompt_query(prompt, formatted, **kwargs),
+                                _completion_delta)
 
     def _prompt_query(self, prompt: str, formatted: bool, **kwargs: Any) -> Generate:
         if not formatted and self.completion_to_prompt is not None:
             prompt = self.completion_to_prompt(prompt)
         return self.to_query([ChatMessage(role=MessageRole.USER, content=prompt)], **kwargs)
+
+    # -- streaming ------------------------------------------------------------------------------
+    def _responses(self, query: Generate, make: Callable[[str, Chunk], R]) -> Iterator[R]:
+        """The streamed responses of ``query``: ``make(text so far, chunk)`` per chunk."""
+        text = ""
+        for chunk in self.stream_query(query):
+            text += chunk.delta
+            yield make(text, chunk)
+
+    async def _aresponses(self, query: Generate,
+                          make: Callable[[str, Chunk], R]) -> AsyncIterator[R]:
+        """Async :meth:`_responses`."""
+        text = ""
+        async for chunk in self.astream_query(query):
+            text += chunk.delta
+            yield make(text, chunk)
 
     # -- chat -----------------------------------------------------------------------------------
     @llm_chat_callback()
@@ -144,39 +148,19 @@ class SpanLLM(CustomLLM, QueryRunner):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        query = self.to_query(messages, **kwargs)
-
-        def gen() -> ChatResponseGen:
-            text = ""
-            for chunk in self.stream_query(query):
-                text += chunk.delta
-                yield _chat_delta(text, chunk)
-
-        return gen()
+        return self._responses(self.to_query(messages, **kwargs), _chat_delta)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage],
                            **kwargs: Any) -> ChatResponseAsyncGen:
-        query = self.to_query(messages, **kwargs)
-
-        async def gen() -> ChatResponseAsyncGen:
-            text = ""
-            async for chunk in self.astream_query(query):
-                text += chunk.delta
-                yield _chat_delta(text, chunk)
-
-        return gen()
+        return self._aresponses(self.to_query(messages, **kwargs), _chat_delta)
 
 
 def _usage(result: Result | None) -> dict[str, Any]:
+    """The usage a response carries: OpenAI-style counts and the time to first token."""
     if result is None:
         return {}
-    m = result.metrics
-    return {
-        "prompt_tokens": m.prompt_tokens, "completion_tokens": m.generated_tokens,
-        "total_tokens": m.prompt_tokens + m.generated_tokens,
-        "cached_tokens": m.cached_tokens, "ttft_s": m.ttft_s,
-    }
+    return {**result.metrics.usage(), "ttft_s": result.metrics.ttft_s}
 
 
 def _completion(result: Result) -> CompletionResponse:
