@@ -2,6 +2,8 @@
 
 * no import circle among the modules of ``span_workflows`` and ``span_vllm`` (every import
   counted, also those inside functions);
+* the library's modules stand in the layers ARCHITECTURE.md draws, and each imports only from
+  its own layer or the layers below;
 * the plugin depends on vLLM alone (and torch, Triton, which vLLM brings) and never on the core;
   the core reaches the plugin only through its public face (``span_vllm`` and
   ``span_vllm.contract``);
@@ -26,6 +28,17 @@ PACKAGES = {"span_workflows": ROOT, "span_vllm": ROOT / "server"}
 INTEGRATIONS = ROOT / "integrations"
 PLUGIN_THIRD_PARTY = {"vllm", "torch", "triton"}
 PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
+#: The library's layers, top to bottom (ARCHITECTURE.md): a module imports from its own layer
+#: (without circles) or from a lower one. ``span_workflows.apps`` stands above them all.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "front": ("span_workflows", "runner", "backend", "engine", "serving", "serving.client",
+              "serving.app", "serving.service", "serving.launch"),
+    "boundary": ("vllm_io", "serving.wire", "streaming"),
+    "plan": ("plan", "result", "fragments"),
+    "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
+                            "optimize", "locality", "compile", "render", "layout"),
+    "ground": ("ir", "errors", "model", "retrieval"),
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -102,6 +115,27 @@ def test_there_is_no_import_circle() -> None:
 
 def test_a_circle_would_be_found() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def _layer(name: str) -> int:
+    short = name.removeprefix("span_workflows.") if name != "span_workflows" else name
+    for depth, members in enumerate(LAYERS.values()):
+        if short in members:
+            return depth
+    raise AssertionError(f"{name} stands in no layer: place it in LAYERS and ARCHITECTURE.md")
+
+
+def test_the_library_imports_only_downward() -> None:
+    graph = _graph()
+    for name in graph:
+        if not name.startswith("span_workflows") or name.startswith("span_workflows.apps"):
+            continue
+        _layer(name)  # every module stands in a layer
+        for imported in graph[name]:
+            if imported.startswith("span_workflows"):
+                assert _layer(imported) >= _layer(name), (
+                    f"{name} ({list(LAYERS)[_layer(name)]}) imports {imported} "
+                    f"({list(LAYERS)[_layer(imported)]})")
 
 
 def test_the_plugin_depends_on_vllm_alone() -> None:

@@ -47,7 +47,7 @@ class SpanChatModel(BaseChatModel, QueryRunner):
                  "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
         ```
 
-    ``last_result`` holds the :class:`span_workflows.engine.Result` of the latest call (its
+    ``last_result`` holds the :class:`span_workflows.result.Result` of the latest call (its
     ``metrics`` and, on the embedded engine, its compiled ``query``).
     """
 
