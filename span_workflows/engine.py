@@ -188,7 +188,7 @@ class Engine:
     def span_stats(self) -> dict[str, int]:
         """Counters of the span cache: hit/miss blocks, repositioned tokens, copies (the
         engine core runs in this process)."""
-        return span_vllm.stats()
+        return span_vllm.span_stats()
 
     def reset_cache(self) -> None:
         """Drop everything from the prefix cache (for benchmarks and tests)."""
@@ -238,7 +238,7 @@ class Engine:
     def _probe(self, step: Probe) -> list[bool]:
         """Which prompts have all their blocks in the prefix cache now."""
         core = self._engine.engine_core.engine_core
-        return [span_vllm.probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
+        return [span_vllm.span_probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
                 for p, salt in zip(step.sequences, step.salts, strict=True)]
 
     def _run(self, requests: list[Request], stream: PartStream | None = None,

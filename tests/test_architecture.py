@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -187,3 +188,18 @@ def library_imports() -> set[str]:
 def test_importing_the_library_imports_no_app_dependency(library_imports, heavy: str) -> None:
     assert "span_workflows.ir" in library_imports
     assert not {m for m in library_imports if m.split(".")[0] == heavy}
+
+
+def test_the_plugins_public_names_are_what_they_say() -> None:
+    """Also once every submodule is loaded (a submodule would shadow a name it shares)."""
+    import importlib
+
+    import span_vllm
+
+    for module in ("patches", "stats", "rotation", "hashing", "positions"):
+        importlib.import_module(f"span_vllm.{module}")
+    for name in span_vllm.__all__:
+        value = getattr(span_vllm, name)
+        assert (name == "contract") == isinstance(value, types.ModuleType), name
+    assert set(span_vllm.span_stats()) == set(span_vllm.contract.STAT_HELP)
+    assert callable(span_vllm.span_probe) and span_vllm.RopeRotator.__name__ == "RopeRotator"

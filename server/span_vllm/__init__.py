@@ -10,10 +10,12 @@ Public API (everything else is private to the plugin):
 * :func:`register` — the entry point;
 * :mod:`span_vllm.contract` — what the planner and the plugin agree on: environment names and
   defaults, the layout key, segment kinds, utility-call names, counter names (no vLLM import);
-* :func:`probe` ``(engine_core, prompts, salt=None)`` — in the engine-core process, which
-  prompts have all their blocks in the prefix cache (other processes: the ``span_probe``
-  utility call);
-* :func:`stats` ``()`` — this process's span-cache counters (other processes: ``span_stats``);
+* :func:`span_probe` ``(engine_core, prompts, salt=None)`` — in the engine-core process,
+  which prompts have all their blocks in the prefix cache;
+* :func:`span_stats` ``()`` — this process's span-cache counters;
+
+  other processes ask the engine core with the utility calls of the same names, which run
+  these two functions there;
 * :class:`RopeRotator`, :class:`CpuKeyLayout`, :class:`PagedKeyLayout` — the torch-only key
   rotation, for benchmarks and device checks.
 
@@ -30,15 +32,17 @@ from span_vllm import contract
 from span_vllm.config import enabled
 
 if TYPE_CHECKING:
-    from span_vllm.patches import probe, stats
+    from span_vllm.patches import probe as span_probe
+    from span_vllm.patches import span_stats
     from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
 
+#: Public name -> (module, attribute), imported on first use.
 _LAZY = {
-    "probe": "span_vllm.patches",
-    "stats": "span_vllm.patches",
-    "RopeRotator": "span_vllm.rotation",
-    "CpuKeyLayout": "span_vllm.rotation",
-    "PagedKeyLayout": "span_vllm.rotation",
+    "span_probe": ("span_vllm.patches", "probe"),
+    "span_stats": ("span_vllm.patches", "span_stats"),
+    "RopeRotator": ("span_vllm.rotation", "RopeRotator"),
+    "CpuKeyLayout": ("span_vllm.rotation", "CpuKeyLayout"),
+    "PagedKeyLayout": ("span_vllm.rotation", "PagedKeyLayout"),
 }
 
 
@@ -53,12 +57,14 @@ def register() -> None:
 
 def __getattr__(name: str) -> Any:
     """The public names that need vLLM or torch, imported on first use."""
-    module = _LAZY.get(name)
-    if module is None:
+    target = _LAZY.get(name)
+    if target is None:
         raise AttributeError(f"module 'span_vllm' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    module, attribute = target
+    return getattr(importlib.import_module(module), attribute)
 
 
 __all__ = [
-    "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "probe", "register", "stats",
+    "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "register", "span_probe",
+    "span_stats",
 ]

@@ -362,7 +362,8 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list
     """For each prompt (``[token_ids, segments]``, hashed as a request with that layout and
     ``cache_salt``), whether all its full blocks are in the prefix cache right now.
 
-    Public as ``span_vllm.probe``; ``engine_core`` is vLLM's ``EngineCore`` (in this process).
+    Public as ``span_vllm.span_probe``; ``engine_core`` is vLLM's ``EngineCore`` (in this
+    process).
     Other processes ask the engine core with the ``span_probe`` utility call, which runs this.
     """
     hash_fn = _hashing.get("hash_fn")
@@ -377,11 +378,11 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list
     return answers
 
 
-def stats() -> dict[str, int]:
+def span_stats() -> dict[str, int]:
     """The span-cache counters of this process (names in ``contract.STAT_HELP``).
 
-    Public as ``span_vllm.stats``; they live in the engine-core process: other processes ask
-    it with the ``span_stats`` utility call, which runs this."""
+    Public as ``span_vllm.span_stats``; they live in the engine-core process: other processes
+    ask it with the ``span_stats`` utility call, which runs this."""
     return STATS.snapshot()
 
 
@@ -398,4 +399,4 @@ def _patch_engine_core() -> None:
     if not hasattr(EngineCore, PROBE_CALL):
         setattr(EngineCore, PROBE_CALL,
                 lambda self, prompts, salt=None: probe(self, prompts, salt))
-        setattr(EngineCore, STATS_CALL, lambda self: stats())
+        setattr(EngineCore, STATS_CALL, lambda self: span_stats())
