@@ -6,26 +6,24 @@ application or a framework integration takes either and never asks which.
 
 Contract, for every method: ``query`` is a span-query tree (``SpanServer`` also takes its JSON
 value or text); ``optimize_query=False`` runs the tree as given (it must then be in the
-optimizer's normal form); ``span_options`` (a :class:`~span_workflows.layout.SpanOptions`, a
-preset name or a dict) override the backend's for this call; ``cache_salt`` keeps the query's
-cached KV, spans included, apart from every other salt's. An invalid query raises
-:class:`~span_workflows.errors.SpanQueryError`. ``stream``/``astream`` yield the answer's text
-as it is generated, in deltas that concatenate to the result's ``text``; the stream's
-``result`` is the :class:`~span_workflows.result.Result` once it is read to the end. Async
-methods never block the event loop.
+optimizer's normal form); ``span_options`` (a :class:`~span_workflows.layout.SpanOptions` or a
+preset name, ``"prefix"`` or ``"self"``) override the backend's for this call; ``cache_salt``
+keeps the query's cached KV, spans included, apart from every other salt's. An invalid query
+raises :class:`~span_workflows.errors.SpanQueryError`. ``stream``/``astream`` yield the
+answer's text as it is generated, in deltas that concatenate to the result's ``text``; the
+stream's ``result`` is the :class:`~span_workflows.result.Result` once it is read to the end.
+Async methods never block the event loop.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from span_workflows.ir import Node
 from span_workflows.layout import SpanOptions
 from span_workflows.result import Result
 from span_workflows.streaming import AsyncTextStream, TextStream
-
-SpanOptionsLike = SpanOptions | str | dict[str, Any] | None
 
 
 @runtime_checkable
@@ -33,34 +31,34 @@ class QueryBackend(Protocol):
     """Runs span queries: sync, async, several at once, streamed (see the module docstring)."""
 
     def execute(self, query: Node, *, optimize_query: bool = True,
-                span_options: SpanOptionsLike = None,
+                span_options: SpanOptions | str | None = None,
                 cache_salt: str | None = None) -> Result:
         """Run one query; its result."""
         ...
 
     async def aexecute(self, query: Node, *, optimize_query: bool = True,
-                       span_options: SpanOptionsLike = None,
+                       span_options: SpanOptions | str | None = None,
                        cache_salt: str | None = None) -> Result:
         """Async :meth:`execute`."""
         ...
 
     def execute_many(self, queries: Sequence[Node], *, optimize_query: bool = True,
-                     span_options: SpanOptionsLike = None,
+                     span_options: SpanOptions | str | None = None,
                      cache_salt: str | None = None) -> list[Result]:
         """Run several queries concurrently; their results, in order."""
         ...
 
     def stream(self, query: Node, *, optimize_query: bool = True,
-               span_options: SpanOptionsLike = None,
+               span_options: SpanOptions | str | None = None,
                cache_salt: str | None = None) -> TextStream:
         """Run one query; its text as it is generated, then its ``result``."""
         ...
 
     def astream(self, query: Node, *, optimize_query: bool = True,
-                span_options: SpanOptionsLike = None,
+                span_options: SpanOptions | str | None = None,
                 cache_salt: str | None = None) -> AsyncTextStream:
         """Async :meth:`stream`."""
         ...
 
 
-__all__ = ["QueryBackend", "SpanOptionsLike"]
+__all__ = ["QueryBackend"]
