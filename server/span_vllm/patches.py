@@ -362,10 +362,9 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list
     """For each prompt (``[token_ids, segments]``, hashed as a request with that layout and
     ``cache_salt``), whether all its full blocks are in the prefix cache right now.
 
-    Public as ``span_vllm.span_probe``; ``engine_core`` is vLLM's ``EngineCore`` (in this
-    process).
-    Other processes ask the engine core with the ``span_probe`` utility call, which runs this.
-    """
+    Public as ``span_vllm.span_probe``; ``engine_core`` is vLLM's ``EngineCore`` in this
+    process. Other processes ask the engine core with the ``span_probe`` utility call, which
+    runs this."""
     hash_fn = _hashing.get("hash_fn")
     if hash_fn is None:
         return [False] * len(prompts)
