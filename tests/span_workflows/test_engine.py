@@ -6,6 +6,7 @@ import pytest
 
 from span_workflows import agent_step, judge_generator, rag
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.layout import SpanOptions
 
 pytestmark = pytest.mark.engine
 
@@ -53,19 +54,24 @@ def reference(engine):
     return AttentionReference(engine.model_dir)
 
 
-@pytest.mark.parametrize("attend", ["prefix", "self"])
-def test_repositioned_logits_match_the_attention_reference_of_the_mode(engine, reference,
-                                                                       attend) -> None:
-    """vLLM with re-rotated keys vs HF transformers with the attention mask the mode defines
-    (prefix: every span sees the prefix and itself; self: itself only), at the final positions:
-    first-token log-probs within 1e-3 nat. Full attention over the same tokens is farther off,
-    so the check could fail."""
+@pytest.mark.parametrize(("attend", "link_blocks"),
+                         [("prefix", 0), ("self", 0), ("prefix", 1), ("self", 1)])
+def test_repositioned_logits_match_the_attention_reference_of_the_mode(
+        engine, reference, attend: str, link_blocks: int) -> None:
+    """vLLM with re-rotated keys vs HF transformers computing what the mode defines (prefix:
+    every span right after the prefix, attending to it and itself; self: itself only; with link
+    blocks, each span's first block recomputed after everything before it), at the final
+    positions: first-token log-probs within 1e-3 nat. Full attention over the same tokens is
+    farther off, so the check could fail."""
+    options = SpanOptions(attend=attend, link_blocks=link_blocks)
     engine.reset_cache()
-    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options=attend)
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options=options)
     moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5,
-                           span_options=attend)
-    assert moved.metrics.cached_tokens > 0 and moved.metrics.prepare_requests == 0
-    expected = reference.generate(moved.query, attend, max_tokens=0).first_logprobs
+                           span_options=options)
+    assert moved.metrics.cached_tokens > 0
+    assert moved.metrics.prepare_requests == len(moved.query.links)  # new order: new links
+    expected = reference.generate(moved.query, attend, max_tokens=0,
+                                  link_tokens=link_blocks * engine.block_size).first_logprobs
     full = reference.generate(moved.query, "full", max_tokens=0).first_logprobs
     assert moved.first_logprobs
     for token, logprob in moved.first_logprobs.items():
