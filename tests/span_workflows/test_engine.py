@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_texts import QUESTION, SYSTEM, A, B, C
 
 from span_workflows import agent_step, judge_generator, rag
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
@@ -10,14 +11,6 @@ from span_workflows.layout import SpanOptions
 
 pytestmark = pytest.mark.engine
 
-SYSTEM = "Answer the question using the documents."
-A = ("The capital of Freedonia is Glimmerton, a city famous for its purple bridges and its "
-     "annual kite festival held every spring on the river banks. ") * 2
-B = ("Zorblax is a fictional metal that melts at twelve degrees Celsius; sculptors use it for "
-     "ice art that must vanish before noon. ") * 2
-C = ("The Blue Heron Inn serves breakfast from six to nine in the morning and closes every "
-     "Tuesday so the staff can clean the old oak floors. ") * 2
-QUESTION = "What is the capital of Freedonia?"
 
 
 def _ordered_rag(docs: list[str], question: str = QUESTION, max_tokens: int = 16) -> Generate:
