@@ -112,6 +112,9 @@ class TokenizedQuery:
     prepare_stages: list[list[SpanPrompt]] = field(default_factory=list)
     segments: Segments = ()
     options: SpanOptions = field(default_factory=SpanOptions)
+    #: link requests (``SpanOptions.link_blocks``), to run in order after the prepares: each
+    #: computes one span's link blocks after everything before them
+    links: list[SpanPrompt] = field(default_factory=list)
 
     @property
     def prepare(self) -> list[SpanPrompt]:
@@ -246,7 +249,8 @@ class _Builder:
                                                        options.pad_text).pad)
         self.tokens: list[int] = []
         self.spans: list[Span] = []
-        self.segments: list[tuple[int, str]] = []
+        self.segments: list[tuple] = []
+        self.links: list[tuple[int, int]] = []  # (segment index, link blocks)
         self.stages: list[list[SpanPrompt]] = []
         self.roles: tuple[str, ...] = ()
 
@@ -273,9 +277,14 @@ class _Builder:
             if first.kind == "prefix":
                 prefix = SpanPrompt(tuple(self.tokens[: first.length]))
                 self.stages[0].insert(0, prefix)
+        segments = tuple(self.segments)
+        links = []
+        for index, count in self.links:
+            end = segments[index][0] + count * self.c.block_size
+            links.append(SpanPrompt(tuple(self.tokens[:end]), segments[: index + 1]))
         return TokenizedQuery(
             self.tokens, self.spans, self.c.block_size, g.max_tokens, g.temperature, g.n,
-            self.stages, tuple(self.segments), self.options,
+            self.stages, segments, self.options, links,
         )
 
     def _group(self, base: str, plus: Plus) -> None:
@@ -286,7 +295,15 @@ class _Builder:
         for i, child in enumerate(plus.children):
             offset = len(self.tokens)
             kind, seg = self._span(child_path(base, plus, i), child)
-            self.segments.append((offset, kind))
+            # Link blocks: a span that does not already follow its context directly.
+            link = 0
+            if not isinstance(child, Generate) and (kind == ISOLATED or i > 0):
+                link = min(self.options.link_blocks, len(seg) // self.c.block_size)
+            if link:
+                self.links.append((len(self.segments), link))
+                self.segments.append((offset, kind, link))
+            else:
+                self.segments.append((offset, kind))
             if kind == ANCHORED:
                 stage.append(SpanPrompt(context.token_ids + tuple(seg),
                                         (*context.segments, (start, ANCHORED))))

@@ -12,6 +12,12 @@ a choice with a price in answer quality (``benchmarks/results/quality.md``):
   reused across different prefixes too, but every span then carries attention-sink KV of its
   own, which costs accuracy on small models.
 
+``link_blocks=k`` recomputes the first ``k`` KV blocks of every span in the prompt's context
+(EPIC's link tokens, at block granularity): small *link* requests, one per span and in order,
+compute them after everything before them, so no span's first tokens carry KV blind to the
+spans before it; the rest of each span is still its cached KV. In ``prefix`` mode the first span
+of a plus already follows its context and is not linked.
+
 Layout knobs, measured in the quality benchmark: where the padding goes (``pad``: after the
 span's message, inside it before the end-of-message tokens, or before the message), which text
 pads (``pad_text``, one token), and whether a marker token opens each span (``marker``; the
@@ -41,6 +47,7 @@ class SpanOptions:
     pad: PadPosition = "after"
     pad_text: str = "\n"
     marker: bool = False
+    link_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.attend not in ATTEND_CHOICES:
@@ -54,6 +61,9 @@ class SpanOptions:
             raise SpanQueryError("span_options.pad_text", "must be a non-empty string")
         if not isinstance(self.marker, bool):
             raise SpanQueryError("span_options.marker", "must be true or false")
+        if (not isinstance(self.link_blocks, int) or isinstance(self.link_blocks, bool)
+                or not 0 <= self.link_blocks <= 64):
+            raise SpanQueryError("span_options.link_blocks", "must be an integer from 0 to 64")
 
     @classmethod
     def coerce(cls, value: SpanOptions | str | dict[str, Any] | None,
@@ -68,18 +78,20 @@ class SpanOptions:
         if isinstance(value, str):
             return replace(base, attend=value)  # type: ignore[arg-type]
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"attend", "pad", "pad_text", "marker"})
+            unknown = sorted(set(value) - set(_FIELDS))
             if unknown:
                 raise SpanQueryError("span_options", f"unknown option {unknown[0]!r} (known: "
-                                                     "attend, pad, pad_text, marker)")
+                                                     f"{', '.join(_FIELDS)})")
             return replace(base, **value)
         raise SpanQueryError("span_options", f"expected an object or a name, not "
                                              f"{type(value).__name__}")
 
     def as_dict(self) -> dict[str, Any]:
         """The options as JSON."""
-        return {"attend": self.attend, "pad": self.pad, "pad_text": self.pad_text,
-                "marker": self.marker}
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+_FIELDS = ("attend", "pad", "pad_text", "marker", "link_blocks")
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,6 +223,13 @@ class Planner:
                     if prepares:
                         yield [Request.prepare(p, salt) for p in prepares]
                         prepared += len(prepares)
+            if span_mode and tq.links:
+                linked = yield Probe(tq.links, [salt] * len(tq.links))
+                # Each link request reads the links before it: one at a time, in order.
+                for link, cached in zip(tq.links, linked, strict=True):
+                    if not cached or attempt:
+                        yield [Request.prepare(link, salt)]
+                        prepared += 1
             last = attempt == MAX_ATTEMPTS - 1
             [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
                                    None if inline else settings.logprobs,

@@ -6,7 +6,11 @@ A span-mode request carries its *segments* next to its tokens, in
     {"key": "<this server's layout key>", "segments": [[offset, kind], ...]}
 
 ``offset`` is a token index on a KV block boundary where a segment starts; tokens before the
-first segment are the ordered prefix. ``kind`` is one of
+first segment are the ordered prefix. A span segment may carry a third element, ``links``: its
+first ``links`` blocks are *link blocks*, recomputed after everything before them (EPIC-style):
+their hashes chain from a digest of every block before them, and the span's next block chains
+from the hash its last link block has without linking (so the rest of the span is the span's
+cached KV, computed in its own context). ``kind`` is one of
 
 * :data:`ANCHORED` — a commutative span computed after the ordered context before its plus
   (attending to that context and to itself, never to sibling spans). Its first block's parent
@@ -45,8 +49,9 @@ ISOLATED = "isolated"
 ORDERED = "ordered"
 SEGMENT_KINDS = (ANCHORED, ISOLATED, ORDERED)
 
-#: ``((offset, kind), ...)``
-Segments = tuple[tuple[int, str], ...]
+#: ``((offset, kind), ...)``, a span's tuple optionally ``(offset, kind, links)``
+Segment = tuple[int, str] | tuple[int, str, int]
+Segments = tuple[Segment, ...]
 
 #: Engine-core utility calls the plugin adds.
 PROBE_CALL = "span_probe"
@@ -115,11 +120,13 @@ def enable(env: MutableMapping[str, str] | None = None, *,
 
 def layout_args(segments: Segments, key: str) -> dict[str, object]:
     """The ``extra_args`` entry that gives a request its span segments."""
-    return {LAYOUT_KEY: {"key": key, "segments": [[int(o), str(k)] for o, k in segments]}}
+    return {LAYOUT_KEY: {"key": key, "segments": [[int(s[0]), str(s[1]), *map(int, s[2:])]
+                                                  for s in segments]}}
 
 
 __all__ = [
     "ANCHORED", "DEFAULT_KV_CACHE_GIB", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV",
     "LAYOUT_KEY", "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP",
-    "Segments", "VLLM_ENV_DEFAULTS", "enable", "enabled", "layout_args", "layout_key",
+    "Segment", "Segments", "VLLM_ENV_DEFAULTS", "enable", "enabled", "layout_args",
+    "layout_key",
 ]

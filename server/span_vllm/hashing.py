@@ -10,6 +10,9 @@ tokens (see :mod:`span_vllm.contract` for the segment kinds):
   ``cache_salt``: its hash depends on its own tokens only;
 * the first block of an **ordered** run chains from a digest of *every* block before it, so an
   ordered tail is never reused after different spans;
+* a span's *link blocks* (its first blocks, recomputed in the prompt's context) chain from a
+  digest of every block before them, and the block after them chains from the hash the last
+  one would have without linking: the rest of the span is the span's own cached KV;
 * any other block chains from the block before it, exactly like stock vLLM. A request without a
   (valid) layout therefore hashes exactly as stock vLLM does.
 
@@ -32,16 +35,19 @@ from span_vllm.contract import ANCHORED, ISOLATED, LAYOUT_KEY, ORDERED, SEGMENT_
 _ROOT_SEED = "span-workflows/root"
 _ORDERED_SEED = "span-workflows/ordered"
 _DIGEST_SEED = "span-workflows/digest"
+_LINK_SEED = "span-workflows/link"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockLayout:
     """A request's segments in block units: ``starts[i]`` is the first block of segment ``i``,
-    ``kinds[i]`` its kind, ``group_first[i]`` whether it opens its plus group."""
+    ``kinds[i]`` its kind, ``group_first[i]`` whether it opens its plus group, ``links[i]`` how
+    many of its first blocks are link blocks."""
 
     starts: tuple[int, ...]
     kinds: tuple[str, ...]
     group_first: tuple[bool, ...]
+    links: tuple[int, ...] = ()
 
     @classmethod
     def from_segments(cls, segments: Sequence[Sequence[Any]], block_size: int) -> BlockLayout:
@@ -49,12 +55,17 @@ class BlockLayout:
         starts: list[int] = []
         kinds: list[str] = []
         group_first: list[bool] = []
+        links: list[int] = []
         previous_kind = ORDERED
         for item in segments:
-            offset, kind = item
+            offset, kind, *rest = item
+            link = rest[0] if rest else 0
             if (not isinstance(offset, int) or isinstance(offset, bool) or offset < 0
-                    or offset % block_size or kind not in SEGMENT_KINDS):
+                    or offset % block_size or kind not in SEGMENT_KINDS or len(rest) > 1
+                    or not isinstance(link, int) or isinstance(link, bool) or link < 0
+                    or (link and kind == ORDERED)):
                 raise ValueError(f"bad segment {item!r}")
+            links.append(link)
             block = offset // block_size
             if starts and block <= starts[-1]:
                 raise ValueError("segments must start at increasing offsets")
@@ -65,7 +76,7 @@ class BlockLayout:
             follows_span = len(kinds) > 1 and previous_kind != ORDERED
             group_first.append(kind != ORDERED and not follows_span)
             previous_kind = kind
-        return cls(tuple(starts), tuple(kinds), tuple(group_first))
+        return cls(tuple(starts), tuple(kinds), tuple(group_first), tuple(links))
 
     def segment_of(self, block: int) -> int:
         """Index of the segment holding ``block`` (-1 for the ordered prefix)."""
@@ -84,6 +95,10 @@ class BlockLayout:
         if i < 0:
             return False
         kind = self.kinds[i]
+        if self.links[i]:
+            # link blocks attend to everything before, as their hash says; the rest of the
+            # span, computed here, would attend to the link blocks instead of its own context
+            return block >= self.starts[i] + self.links[i]
         if kind == ANCHORED:
             return not self.group_first[i]
         if kind == ISOLATED:
@@ -147,13 +162,22 @@ class SpanChain:
     _digest: bytes | None = None
     _anchor: bytes | None = None
     _next: int = 0
+    #: while in link blocks: the hash chain the span would have without linking
+    _virtual: bytes | None = None
+    _links_left: int = 0
+    #: the parent of the block after the link blocks
+    _resume: bytes | None = None
 
     def parent(self, block: int) -> bytes | None:
         """Parent hash of ``block`` (the next one to hash); updates the segment cursor."""
         previous = self.hashes[-1] if self.hashes else None
         layout = self.layout
         if layout is None or self._next >= len(layout.starts) or layout.starts[self._next] != block:
+            if self._resume is not None:
+                resume, self._resume = self._resume, None
+                return resume
             return previous
+        self._resume = None
         i = self._next
         self._next += 1
         kind = layout.kinds[i]
@@ -162,8 +186,13 @@ class SpanChain:
         if layout.group_first[i]:
             self._anchor = previous
         if kind == ANCHORED and self._anchor is not None:
-            return self._anchor
-        return kv_cache_utils.BlockHash(self.hash_fn((_ROOT_SEED, self.salt)))
+            own = self._anchor
+        else:
+            own = kv_cache_utils.BlockHash(self.hash_fn((_ROOT_SEED, self.salt)))
+        if layout.links[i]:
+            self._virtual, self._links_left = own, layout.links[i]
+            return kv_cache_utils.BlockHash(self.hash_fn((_LINK_SEED, self._digest)))
+        return own
 
     def extend(self, token_ids: Sequence[int], block_size: int,
                extra_keys: Callable[[int, int], Any] | None = None) -> list[bytes]:
@@ -174,8 +203,14 @@ class SpanChain:
             begin, end = block * block_size, (block + 1) * block_size
             parent = self.parent(block)
             keys = extra_keys(begin, end) if extra_keys is not None else None
-            block_hash = kv_cache_utils.hash_block_tokens(
-                self.hash_fn, parent, token_ids[begin:end], keys)
+            tokens = token_ids[begin:end]
+            block_hash = kv_cache_utils.hash_block_tokens(self.hash_fn, parent, tokens, keys)
+            if self._links_left:
+                self._virtual = kv_cache_utils.hash_block_tokens(
+                    self.hash_fn, self._virtual, tokens, keys)
+                self._links_left -= 1
+                if not self._links_left:
+                    self._resume = self._virtual
             self.hashes.append(block_hash)
             if self.layout is not None:
                 self._digest = self.hash_fn((_DIGEST_SEED, self._digest, block_hash))

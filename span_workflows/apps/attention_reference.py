@@ -12,9 +12,16 @@ Attention modes (``attention``), for the tokens of plus spans; ordered tokens (`
 
 * ``"full"`` — ordinary causal attention over the whole token form (the span *layout* with no
   isolation: what the layout alone costs);
-* ``"prefix"`` — a token of a plus span attends to the ordered context before its plus group
-  (every token before the group's first span) and to the earlier tokens of its own span, never
-  to sibling spans (``SpanOptions(attend="prefix")``);
+* ``"prefix"`` — what the engine computes for ``SpanOptions(attend="prefix")``: every plus
+  span is computed *right after* the ordered context before its plus group (as its prepare
+  request computes it), attending to that context and to itself, never to sibling spans; its
+  keys are then rotated to where the span sits. Built stage by stage (one forward per span over
+  the context's KV, keys rotated with the model's own rotary embedding, the KV spliced into
+  one cache), since a span that moved sees its context at its prepare-time distance, which no
+  single masked pass at the final positions reproduces;
+* ``"prefix-final"`` — the same attention pattern computed at the final positions (the span
+  sees its context at the distance it sits from it in the final prompt): a reference-only
+  variant, not cacheable across positions;
 * ``"self"`` — a token of a plus span attends only to the earlier tokens of its own span
   (``SpanOptions(attend="self")``).
 
@@ -63,8 +70,8 @@ import torch
 
 from span_workflows.compile import Span, TokenizedQuery
 
-Attention = Literal["full", "prefix", "self"]
-ATTENTION_CHOICES: tuple[str, ...] = ("full", "prefix", "self")
+Attention = Literal["full", "prefix", "prefix-final", "self"]
+ATTENTION_CHOICES: tuple[str, ...] = ("full", "prefix", "prefix-final", "self")
 _GROUP_KINDS = ("plus", "generated")
 
 
@@ -160,6 +167,10 @@ def base_allowed(spans: Sequence[Span], attention: Attention) -> torch.Tensor:
         context = idx < spans[first].offset
         if attention == "self" or span.kind == "generated":
             allowed[rows] &= own[None, :]
+        elif attention == "prefix":
+            raise ValueError("attention='prefix' is built stage by stage, not with a mask; "
+                             "the mask of the same pattern at the final positions is "
+                             "'prefix-final'")
         else:
             allowed[rows] &= (own | context)[None, :]
     return allowed
@@ -258,6 +269,8 @@ class AttentionReference:
         token's log-probabilities only), stopping after a stop token (EOS, ``<|im_end|>``)."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, not {max_tokens}")
+        if attention == "prefix":
+            return self._generate_staged(tq, max_tokens, link_tokens, top_logprobs)
         plan = self.plan(tq, attention, link_tokens)
         ids = torch.tensor(tq.token_ids, dtype=torch.long)[plan.source][None]
         out = self.model(
@@ -296,6 +309,110 @@ class AttentionReference:
             cache = out.past_key_values
             logprobs = torch.log_softmax(out.logits[0, -1].double(), dim=-1)
         return tokens, chosen, "length"
+
+
+    def _generate_staged(self, tq: TokenizedQuery, max_tokens: int, link_tokens: int,
+                         top_logprobs: int | None) -> ReferenceOutput:
+        """``attention="prefix"`` built as the engine builds it (see the module docstring);
+        with ``link_tokens``, the first tokens of each span are then recomputed at their final
+        positions after everything before them."""
+        if link_tokens < 0:
+            raise ValueError(f"link_tokens must be >= 0, not {link_tokens}")
+        _check_spans(tq.spans, len(tq.token_ids))
+        kv = _SplicedCache(self.model, len(tq.token_ids))
+        firsts = plus_groups(tq.spans)
+        logits = torch.empty(0)
+        for i, span in enumerate(tq.spans):
+            final = list(range(span.offset, span.offset + span.length))
+            ids = tq.token_ids[span.offset: span.offset + span.length]
+            if firsts[i] < 0:  # ordered: after everything before it, where it sits
+                logits = kv.compute(ids, final, list(range(span.offset)), final)
+                continue
+            start = tq.spans[firsts[i]].offset if span.kind == "plus" else 0
+            computed_at = list(range(start, start + span.length))
+            kv.compute(ids, computed_at, list(range(start)), final,
+                       rotate_by=span.offset - start)
+            link = final[:link_tokens]
+            if link:
+                kv.compute(ids[: len(link)], link, list(range(span.offset)), link)
+        first = torch.log_softmax(logits.double(), dim=-1)
+        tokens: list[int] = []
+        chosen: list[float] = []
+        logprobs = first
+        reason: Literal["stop", "length"] = "length"
+        while len(tokens) < max_tokens:
+            token = int(torch.argmax(logprobs))
+            tokens.append(token)
+            chosen.append(float(logprobs[token]))
+            if token in self.stop_ids:
+                reason = "stop"
+                break
+            if len(tokens) == max_tokens:
+                break
+            position = kv.length
+            kv.grow()
+            step = kv.compute([token], [position], list(range(position)), [position])
+            logprobs = torch.log_softmax(step.double(), dim=-1)
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return ReferenceOutput(text, tuple(tokens), first, tuple(chosen),
+                               _top(first, top_logprobs), reason, None)
+
+
+class _SplicedCache:
+    """Per-layer K/V of a token form, filled span by span by separate forwards."""
+
+    def __init__(self, model: Any, length: int) -> None:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (1, cfg.num_key_value_heads, length, head_dim)
+        self.model = model
+        self.keys = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+        self.values = [torch.zeros(shape) for _ in range(cfg.num_hidden_layers)]
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[2])
+
+    def grow(self) -> None:
+        """Room for one more token at the end."""
+        self.keys = [torch.cat([k, torch.zeros_like(k[:, :, :1])], dim=2) for k in self.keys]
+        self.values = [torch.cat([v, torch.zeros_like(v[:, :, :1])], dim=2)
+                       for v in self.values]
+
+    @torch.no_grad()
+    def compute(self, token_ids: Sequence[int], positions: list[int], context: list[int],
+                store_at: list[int], rotate_by: int = 0) -> torch.Tensor:
+        """Run ``token_ids`` at RoPE ``positions`` causally after the cached KV at ``context``;
+        store their KV at ``store_at`` (keys rotated by ``rotate_by`` positions); return the
+        last token's logits."""
+        from transformers import DynamicCache
+
+        past = None
+        if context:
+            at = torch.tensor(context)
+            past = DynamicCache(ddp_cache_data=[
+                (k[:, :, at], v[:, :, at]) for k, v in zip(self.keys, self.values, strict=True)])
+        out = self.model(input_ids=torch.tensor([list(token_ids)]),
+                         position_ids=torch.tensor([positions]), past_key_values=past,
+                         use_cache=True)
+        q = len(positions)
+        where = torch.tensor(store_at)
+        for layer, cached in enumerate(out.past_key_values.layers):
+            keys = cached.keys[:, :, -q:]
+            if rotate_by:
+                keys = self._rotate(keys, rotate_by)
+            self.keys[layer][:, :, where] = keys
+            self.values[layer][:, :, where] = cached.values[:, :, -q:]
+        return out.logits[0, -1]
+
+    def _rotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys moved by ``delta`` positions with the model's own rotary embedding (angles
+        are linear in position, so one more rotation by ``delta``)."""
+        from transformers.models.llama.modeling_llama import rotate_half
+
+        cos, sin = self.model.model.rotary_emb(keys, torch.tensor([[delta]]))
+        cos, sin = cos[:, None].to(keys.dtype), sin[:, None].to(keys.dtype)
+        return keys * cos + rotate_half(keys) * sin
 
 
 def _top(logprobs: torch.Tensor, k: int | None) -> dict[int, float]:

@@ -63,10 +63,12 @@ def _layout(name: str, **fields: Any) -> Variant:
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("stock"),
     _span("prefix"),
+    _span("prefix/link", link_blocks=1),
     _span("prefix/pad-inside", pad="inside"),
     _span("prefix/pad-before", pad="before"),
     _span("prefix/marker", marker=True),
     _span("self", attend="self"),
+    _span("self/link", attend="self", link_blocks=1),
     _span("self/marker", attend="self", marker=True),
     _layout("full@pad-after"),
     _layout("full@pad-inside", pad="inside"),

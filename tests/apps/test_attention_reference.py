@@ -98,7 +98,7 @@ def test_plus_groups_split_at_ordered_spans() -> None:
 
 def test_base_masks_give_each_mode_its_context() -> None:
     spans = _toy_spans()
-    prefix, self_, full = (base_allowed(spans, a) for a in ("prefix", "self", "full"))
+    prefix, self_, full = (base_allowed(spans, a) for a in ("prefix-final", "self", "full"))
     assert torch.equal(full, torch.tril(torch.ones(17, 17, dtype=torch.bool)))
     assert prefix[8].nonzero().flatten().tolist() == [0, 1, 2, 3, 7, 8]  # prefix + own span
     assert self_[8].nonzero().flatten().tolist() == [7, 8]
@@ -109,7 +109,7 @@ def test_base_masks_give_each_mode_its_context() -> None:
 
 
 def test_link_plan_routes_reads_between_originals_and_copies() -> None:
-    plan = build_plan(_toy_spans(), "prefix", link_tokens=2)
+    plan = build_plan(_toy_spans(), "prefix-final", link_tokens=2)
     assert plan.link_positions == (4, 5, 7, 8, 12, 13, 14, 15)
     n = plan.num_tokens
     copy = {p: n + r for r, p in enumerate(plan.link_positions)}
@@ -133,7 +133,7 @@ def test_link_plan_routes_reads_between_originals_and_copies() -> None:
 
 def test_link_tokens_zero_is_the_base_mode_exactly() -> None:
     spans = _toy_spans()
-    for attention in ("prefix", "self"):
+    for attention in ("prefix-final", "self"):
         plan = build_plan(spans, attention, link_tokens=0)
         assert plan.length == plan.num_tokens == 17 and plan.link_positions == ()
         assert torch.equal(plan.allowed, base_allowed(spans, attention))
@@ -144,7 +144,7 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError):
         build_plan(_toy_spans(), "full", link_tokens=1)
     with pytest.raises(ValueError):
-        build_plan(_toy_spans(), "prefix", link_tokens=-1)
+        build_plan(_toy_spans(), "prefix-final", link_tokens=-1)
     with pytest.raises(ValueError):
         build_plan(_toy_spans(), "everything")  # type: ignore[arg-type]
 
@@ -238,7 +238,7 @@ def _staged(ref: AttentionReference, tq: TokenizedQuery, attention: str, link_to
                 continue
             if i == 0 or tq.spans[i - 1].kind in ("prefix", "cross"):
                 group_start = span.offset
-            anchored = attention == "prefix" and span.kind == "plus"
+            anchored = attention == "prefix-final" and span.kind == "plus"
             k, v, _ = _forward(model, tq.token_ids, positions, keys, values,
                                list(range(group_start)) if anchored else [])
             store(positions, (k, v))
@@ -264,7 +264,8 @@ def _staged(ref: AttentionReference, tq: TokenizedQuery, attention: str, link_to
     return first, tokens, chosen
 
 
-@pytest.mark.parametrize(("attention", "link_tokens"), [("prefix", 0), ("prefix", 3)])
+@pytest.mark.parametrize(("attention", "link_tokens"),
+                         [("prefix-final", 0), ("prefix-final", 3)])
 def test_one_pass_equals_kv_assembled_stage_by_stage(ref: AttentionReference, run: Run,
                                                      tq3: TokenizedQuery, attention: str,
                                                      link_tokens: int) -> None:
@@ -275,13 +276,14 @@ def test_one_pass_equals_kv_assembled_stage_by_stage(ref: AttentionReference, ru
     assert out.token_logprobs == pytest.approx(chosen, abs=1e-4)
 
 
-@pytest.mark.parametrize("attention", ["prefix", "self"])
+@pytest.mark.parametrize("attention", ["prefix", "prefix-final", "self"])
 def test_linking_every_span_token_gives_full_attention(run: Run, tq3: TokenizedQuery,
                                                        attention: str) -> None:
     longest = max(s.length for s in tq3.spans if s.kind == "plus")
     linked, full = run(attention, longest), run("full")
-    assert linked.plan is not None
-    assert len(linked.plan.link_positions) == tq3.num_span_tokens
+    if attention != "prefix":  # built stage by stage, no plan
+        assert linked.plan is not None
+        assert len(linked.plan.link_positions) == tq3.num_span_tokens
     assert _max_diff(linked.first_logprobs, full.first_logprobs) < 1e-4
     assert linked.token_ids == full.token_ids
     assert linked.token_logprobs == pytest.approx(full.token_logprobs, abs=1e-4)
@@ -303,6 +305,36 @@ def test_span_modes_differ_measurably(run: Run) -> None:
     assert abs(prefix.first_logprobs[top] - full.first_logprobs[top]) > 1e-3
     linked = run("prefix", 3)
     assert abs(prefix.first_logprobs[top] - linked.first_logprobs[top]) > 1e-3
+    # A span that moved saw its prefix at its prepare-time distance: not the final-position
+    # pattern.
+    final = run("prefix-final")
+    assert abs(prefix.first_logprobs[top] - final.first_logprobs[top]) > 1e-3
+
+
+def test_prefix_mode_without_moves_equals_the_final_position_pattern(
+        ref: AttentionReference, compiler: Compiler) -> None:
+    """With spans that are not moved (each one alone after the prefix), the staged build and
+    the masked pattern are one computation: checks the staging and the key rotation."""
+    tq = _query(compiler, DOCS[:1])
+    staged = ref.generate(tq, "prefix", max_tokens=3, link_tokens=2)
+    masked = ref.generate(tq, "prefix-final", max_tokens=3, link_tokens=2)
+    assert _max_diff(staged.first_logprobs, masked.first_logprobs) < 1e-4
+    assert staged.token_ids == masked.token_ids
+
+
+def test_rotating_keys_equals_computing_them_at_the_new_position(ref: AttentionReference,
+                                                                 compiler: Compiler) -> None:
+    """The reference's key rotation (the model's own rotary embedding) moves keys exactly."""
+    from span_workflows.apps.attention_reference import _SplicedCache
+
+    tq = _query(compiler, DOCS[:1])
+    ids = tq.token_ids[:20]
+    here, there = _SplicedCache(ref.model, 20), _SplicedCache(ref.model, 20)
+    here.compute(ids, list(range(20)), [], list(range(20)), rotate_by=37)
+    there.compute(ids, list(range(37, 57)), [], list(range(20)))
+    # Alone (no context), tokens at 0.. rotated by 37 == tokens computed at 37..
+    assert torch.allclose(here.keys[5], there.keys[5], atol=1e-4)
+    assert torch.allclose(here.values[5], there.values[5], atol=1e-4)
 
 
 @pytest.mark.parametrize("options", [SpanOptions(pad="inside"), SpanOptions(pad="before"),

@@ -3,6 +3,7 @@ tests that compare every output with the same request run alone on a fresh cache
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -41,3 +42,39 @@ def reset_server_cache(client: httpx.Client) -> None:
             return
         assert time.monotonic() < deadline, "the server's prefix cache never became resettable"
         time.sleep(0.2)
+
+
+@contextmanager
+def small_pool_server(log_path: Path, blocks: int, max_model_len: int,
+                      max_num_seqs: int) -> Iterator[httpx.Client]:
+    """A dev-mode server whose KV cache holds only ``blocks`` blocks; yields a client to it."""
+    with dev_mode_server(log_path, kv_cache_gib=1, timeout=400, max_model_len=max_model_len,
+                         extra_args=["--num-gpu-blocks-override", str(blocks),
+                                     "--max-num-seqs", str(max_num_seqs)]) as (_, url):
+        with httpx.Client(base_url=url, timeout=300) as client:
+            yield client
+
+
+def run_query(client: httpx.Client, payload: dict) -> dict:
+    """POST a query to ``/v1/query/execute``; its JSON answer (asserting a 200)."""
+    answer = client.post("/v1/query/execute", json=payload)
+    assert answer.status_code == 200, answer.text[:500]
+    return answer.json()
+
+
+def span_counters(client: httpx.Client) -> dict[str, float]:
+    """The server's ``span_*_total`` counters from ``/metrics``, by name."""
+    text = client.get("/metrics").text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^span_(\w+)_total (\S+)$", text, re.M)}
+
+
+def rag_payload(system: str, docs: list[str], question: str, max_tokens: int) -> dict:
+    """A ``/v1/query/execute`` body: a greedy RAG query with the documents in the order given
+    (not reordered by the optimizer)."""
+    from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+    from span_workflows.json_ir import to_obj
+
+    node = Generate(Cross((System(system), Plus(tuple(Fragment(d) for d in docs)),
+                           User(question))), max_tokens=max_tokens, temperature=0.0)
+    return {"query": to_obj(node), "optimize": False}

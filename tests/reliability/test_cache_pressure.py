@@ -7,15 +7,11 @@ and re-created."""
 from __future__ import annotations
 
 import random
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from dev_server import dev_mode_server, reset_server_cache
-
-from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
-from span_workflows.json_ir import to_obj
+from dev_server import rag_payload, reset_server_cache, run_query, small_pool_server, span_counters
 
 pytestmark = pytest.mark.engine
 
@@ -33,36 +29,17 @@ STATS: dict[str, int] = {}
 
 def query(docs: list[int], question: str = "Which topics appear?", system: str = SYSTEM,
           max_tokens: int = 5) -> dict:
-    node = Generate(Cross((System(system), Plus(tuple(Fragment(DOCS[d]) for d in docs)),
-                           User(question))), max_tokens=max_tokens, temperature=0.0)
-    return {"query": to_obj(node), "optimize": False}
+    return rag_payload(system, [DOCS[d] for d in docs], question, max_tokens)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def http(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("pressure") / "server.log"
-    with dev_mode_server(log, kv_cache_gib=1, timeout=400, max_model_len=1024,
-                         extra_args=["--num-gpu-blocks-override", str(BLOCKS),
-                                     "--max-num-seqs", "8"]) as (_, url):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def http(server: str):
-    with httpx.Client(base_url=server, timeout=120) as client:
+    with small_pool_server(log, BLOCKS, max_model_len=1024, max_num_seqs=8) as client:
         yield client
 
 
-def run(http: httpx.Client, payload: dict) -> dict:
-    answer = http.post("/v1/query/execute", json=payload)
-    assert answer.status_code == 200, answer.text[:500]
-    return answer.json()
-
-
-def span_counters(http: httpx.Client) -> dict[str, float]:
-    text = http.get("/metrics").text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^span_(\w+)_total (\S+)$", text, re.M)}
+run = run_query
 
 
 class Alone:

@@ -5,14 +5,13 @@ through vLLM's own endpoints cannot borrow span semantics."""
 from __future__ import annotations
 
 import json
-import re
 import threading
 
 import httpx
 import pytest
-from dev_server import dev_mode_server, reset_server_cache
+from dev_server import rag_payload, reset_server_cache, run_query, small_pool_server, span_counters
 
-from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.ir import Cross, Fragment, Plus, System, User
 from span_workflows.json_ir import to_obj
 
 pytestmark = pytest.mark.engine
@@ -28,40 +27,22 @@ SALTED_DOCS = [f"Document {i}: the {w} of Tessmere is painted {c} and opens at {
 
 
 def _query(docs: list[str], question: str, max_tokens: int = 6) -> dict:
-    node = Generate(Cross((System(SYSTEM), Plus(tuple(Fragment(d) for d in docs)),
-                           User(question))), max_tokens=max_tokens, temperature=0.0)
-    return {"query": to_obj(node), "optimize": False}
+    return rag_payload(SYSTEM, docs, question, max_tokens)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
+def http(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("isolation") / "server.log"
-    with dev_mode_server(log, kv_cache_gib=1, timeout=400, max_model_len=896,
-                         extra_args=["--num-gpu-blocks-override", str(BLOCKS),
-                                     "--max-num-seqs", "4"]) as (_, url):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def http(server: str):
-    with httpx.Client(base_url=server, timeout=300) as client:
+    with small_pool_server(log, BLOCKS, max_model_len=896, max_num_seqs=4) as client:
         yield client
 
 
-def _run(http: httpx.Client, payload: dict) -> dict:
-    answer = http.post("/v1/query/execute", json=payload)
-    assert answer.status_code == 200, answer.text[:500]
-    return answer.json()
+_run = run_query
+_counters = span_counters
 
 
 def _into(out: dict[str, str], http: httpx.Client, payload: dict) -> None:
     out["b"] = _run(http, payload)["text"]
-
-
-def _counters(http: httpx.Client) -> dict[str, float]:
-    text = http.get("/metrics").text
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^span_(\w+)_total (\S+)$", text, re.M)}
 
 
 def test_a_copy_never_finds_the_pool_empty(http: httpx.Client) -> None:

@@ -196,3 +196,20 @@ def test_once_a_span_is_computed_in_context_no_later_block_is_registered() -> No
     assert register_mask(request, layout, 5, 6, None) == [False]
     clean = _request(tokens, segments)
     assert register_mask(clean, layout, 0, 2, None) == [True, True]
+
+
+def test_link_blocks_chain_over_the_context_and_the_span_resumes_its_own_chain() -> None:
+    two_block = [40, 41, 42, 43, 44, 45, 46, 47]
+    plain_t, plain_s = _rag(A, two_block)
+    link_s = [plain_s[0], (plain_s[1][0], ANCHORED, 1), plain_s[2]]
+    plain = hash_blocks(plain_t, BS, _hash_fn, plain_s)
+    linked = hash_blocks(plain_t, BS, _hash_fn, link_s)
+    assert linked[:2] == plain[:2]  # prefix and the first span
+    assert linked[2] != plain[2]  # the link block: computed in context, its own key
+    assert linked[3] == plain[3]  # the rest of the span: the span's own cached block
+    assert linked[4] != plain[4]  # the tail follows a different history
+    other_t, _ = _rag(C, two_block)
+    other = hash_blocks(other_t, BS, _hash_fn, link_s)
+    assert other[2] != linked[2] and other[3] == linked[3]  # link depends on what precedes
+    layout = BlockLayout.from_segments(link_s, BS)
+    assert not layout.computed_in_context(2) and layout.computed_in_context(3)

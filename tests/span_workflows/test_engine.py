@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from engine_texts import QUESTION, SYSTEM, A, B, C
 
 from span_workflows import agent_step, judge_generator, rag
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.layout import SpanOptions
 
 pytestmark = pytest.mark.engine
 
-SYSTEM = "Answer the question using the documents."
-A = ("The capital of Freedonia is Glimmerton, a city famous for its purple bridges and its "
-     "annual kite festival held every spring on the river banks. ") * 2
-B = ("Zorblax is a fictional metal that melts at twelve degrees Celsius; sculptors use it for "
-     "ice art that must vanish before noon. ") * 2
-C = ("The Blue Heron Inn serves breakfast from six to nine in the morning and closes every "
-     "Tuesday so the staff can clean the old oak floors. ") * 2
-QUESTION = "What is the capital of Freedonia?"
 
 
 def _ordered_rag(docs: list[str], question: str = QUESTION, max_tokens: int = 16) -> Generate:
@@ -47,43 +40,37 @@ def test_reordered_documents_hit_the_cache_and_answer_like_a_fresh_engine(engine
     assert "Glimmerton" in second.text
 
 
-def test_repositioned_logits_match_an_isolated_attention_reference(engine) -> None:
-    """vLLM with re-rotated keys vs HF transformers with a block mask that computes every plus
-    span on its own at its final position (what the spans mean): first-token log-probs."""
-    from transformers import AutoModelForCausalLM
+@pytest.fixture(scope="module")
+def reference(engine):
+    from span_workflows.apps.attention_reference import AttentionReference
 
+    return AttentionReference(engine.model_dir)
+
+
+@pytest.mark.parametrize(("attend", "link_blocks"),
+                         [("prefix", 0), ("self", 0), ("prefix", 1), ("self", 1)])
+def test_repositioned_logits_match_the_attention_reference_of_the_mode(
+        engine, reference, attend: str, link_blocks: int) -> None:
+    """vLLM with re-rotated keys vs HF transformers computing what the mode defines (prefix:
+    every span right after the prefix, attending to it and itself; self: itself only; with link
+    blocks, each span's first block recomputed after everything before it), at the final
+    positions: first-token log-probs within 1e-3 nat. Full attention over the same tokens is
+    farther off, so the check could fail."""
+    options = SpanOptions(attend=attend, link_blocks=link_blocks)
     engine.reset_cache()
-    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options="self")
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options=options)
     moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5,
-                           span_options="self")
+                           span_options=options)
     assert moved.metrics.cached_tokens > 0
-    tq = moved.query
-    n = len(tq.token_ids)
-    segment = torch.zeros(n, dtype=torch.long)
-    for i, span in enumerate(tq.spans):
-        segment[span.offset : span.offset + span.length] = i
-    kinds = [tq.spans[int(s)].kind for s in segment]
-    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))
-    for i in range(n):
-        if kinds[i] == "plus":
-            allowed[i] &= segment == segment[i]
-    model = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32)
-    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
-    with torch.no_grad():
-        logits = model(
-            input_ids=torch.tensor([tq.token_ids]), attention_mask=mask,
-            position_ids=torch.arange(n)[None],
-        ).logits[0, -1]
-    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert moved.metrics.prepare_requests == len(moved.query.links)  # new order: new links
+    expected = reference.generate(moved.query, attend, max_tokens=0,
+                                  link_tokens=link_blocks * engine.block_size).first_logprobs
+    full = reference.generate(moved.query, "full", max_tokens=0).first_logprobs
     assert moved.first_logprobs
     for token, logprob in moved.first_logprobs.items():
-        assert abs(logprob - reference[token].item()) < 1e-3, (token, logprob)
-    # The same prompt with every token attending to all before it is measurably different:
-    # the check above could fail.
-    with torch.no_grad():
-        full = model(input_ids=torch.tensor([tq.token_ids])).logits[0, -1]
+        assert abs(logprob - expected[token].item()) < 1e-3, (attend, token, logprob)
     top = max(moved.first_logprobs, key=moved.first_logprobs.get)
-    assert abs(torch.log_softmax(full.double(), -1)[top].item() - moved.first_logprobs[top]) > 1e-3
+    assert abs(full[top].item() - moved.first_logprobs[top]) > 1e-3
 
 
 def test_cross_tail_is_not_reused_after_different_spans(engine) -> None:

@@ -5,6 +5,7 @@ across cache salts, and for requests that do not come from the planner."""
 from __future__ import annotations
 
 import pytest
+from engine_texts import SYSTEM, A, B, C
 
 from span_vllm import contract
 from span_workflows.compile import SpanPrompt
@@ -13,13 +14,6 @@ from span_workflows.plan import Probe, Request
 
 pytestmark = pytest.mark.engine
 
-SYSTEM = "Answer the question using the documents."
-A = ("The capital of Freedonia is Glimmerton, a city famous for its purple bridges and its "
-     "annual kite festival held every spring on the river banks. ") * 2
-B = ("Zorblax is a fictional metal that melts at twelve degrees Celsius; sculptors use it for "
-     "ice art that must vanish before noon. ") * 2
-C = ("The Blue Heron Inn serves breakfast from six to nine in the morning and closes every "
-     "Tuesday so the staff can clean the old oak floors. ") * 2
 LONG_QUESTION = "Please answer carefully and completely, in one sentence. " * 8 + \
     "What is the capital of Freedonia?"
 
