@@ -11,13 +11,14 @@ computes (``_compute_inv_freq``, captured while it builds its cache); the attent
 
 :func:`rope_spec` *checks* linearity instead of trusting a class list: it recomputes the
 module's float32 cache and compares every row with ``m · (cos pθ, sin pθ)`` (and the module's
-buffer with that cache), so a variant whose angles depend on anything but the position
+buffer with that rotation: rounding-level differences are logged, others refused), so a variant whose angles depend on anything but the position
 (per-request long/short factors, multimodal positions, several scaling factors, frequencies
 that change with the sequence length) is refused before the first request.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,12 @@ from typing import Any
 import torch
 
 from span_vllm.rotation import RopeRotator
+
+logger = logging.getLogger(__name__)
+
+#: A buffer further than this (relative to the attention factor) from ``m · (cos pθ, sin pθ)``
+#: holds another rotation (or no rotation), not the same one rounded differently.
+BUFFER_GROSS = 1e-2
 
 #: Positions of the cache checked one by one, then positions spread over the rest.
 CHECK_HEAD = 2048
@@ -157,11 +164,21 @@ def _check_linear(module: Any, kind: str, theta: torch.Tensor, reference: torch.
         raise UnsupportedRopeError(f"RoPE {kind}: its cos_sin_cache has another shape than "
                                    "the cache it computes")
     stored = buffer.detach()[rows.to(buffer.device)].to("cpu", torch.float64)
-    slack = tolerance + 2 * torch.finfo(buffer.dtype).eps * abs(m)
-    if bool(((stored - expected).abs() > slack).any()):
+    excess = ((stored - expected).abs() - tolerance) / abs(m)
+    worst = float(excess.max())
+    if worst <= 2 * torch.finfo(buffer.dtype).eps:
+        return
+    if worst > BUFFER_GROSS:
+        row = int(rows[(excess > BUFFER_GROSS).any(dim=1)][0])
         raise UnsupportedRopeError(
-            f"RoPE {kind}: its cos_sin_cache buffer differs from the cache it computes"
+            f"RoPE {kind}: its cos_sin_cache buffer ({buffer.dtype}) is not the rotation it "
+            f"computes (off by {worst:.3g} at position {row})"
         )
+    # The buffer was built with other float kernels than this check (another CPU vector
+    # width, a reduced-precision math mode): the same rotation, rounded differently.
+    logger.warning("RoPE %s: cos_sin_cache (%s) is %.3g off the float32 rotation it computes; "
+                   "repositioned keys differ from recomputed ones by as much", kind,
+                   buffer.dtype, worst)
 
 
 def model_rope(model: Any, layer_names: Iterable[str]) -> RopeSpec:

@@ -19,9 +19,9 @@ BLOCKS = 48
 TOPICS = ["otters", "glaciers", "violins", "comets", "bakeries", "tides", "falcons", "deserts",
           "lanterns", "orchards", "volcanoes", "libraries", "harbors", "meteors", "beehives",
           "canyons", "ferries", "mosses", "windmills", "coral reefs"]
-#: 20 documents of about 80-90 tokens: with the plus marker, template and padding, 3 blocks.
+#: 20 documents of 72-100 tokens: each span padded to 3 blocks, 60 blocks in all (> the cache).
 DOCS = [f"Document {i} is about {t}. " + f"People who study {t} write long notes about "
-        f"{t}, compare {t} across seasons and argue about {t} at length. " * 2
+        f"{t}, compare {t} across seasons and argue about {t} at length. " * 3
         for i, t in enumerate(TOPICS)]
 SYSTEM = "Answer in a few words using the documents."
 STATS: dict[str, int] = {}

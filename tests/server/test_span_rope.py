@@ -131,6 +131,29 @@ def test_angles_that_are_not_position_times_frequency_are_refused() -> None:
         rope_spec(SwitchingRope(64, 64, 4096, 10000.0, True, torch.float32))
 
 
+def test_a_buffer_rounded_by_other_kernels_is_served_and_logged(caplog) -> None:
+    """The buffer vLLM built may come from other float kernels than the check's (another
+    vector width, a reduced-precision math mode): the same rotation, rounded differently."""
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    module = RotaryEmbedding(64, 64, 4096, 10000.0, True, torch.float32)
+    buffer = module.cos_sin_cache
+    module.cos_sin_cache = buffer + 1e-4 * torch.sign(buffer)  # ~ 800 float32 ulps
+    with caplog.at_level("WARNING", logger="span_vllm.rope"):
+        spec = rope_spec(module)
+    assert spec.rotary_dim == 64
+    assert "off the float32 rotation" in caplog.text
+
+
+def test_a_buffer_holding_another_rotation_is_refused() -> None:
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    module = RotaryEmbedding(64, 64, 4096, 10000.0, True, torch.float32)
+    module.cos_sin_cache = module.cos_sin_cache.roll(1, dims=0)  # every row one position off
+    with pytest.raises(UnsupportedRopeError, match="buffer .* is not the rotation"):
+        rope_spec(module)
+
+
 def _model(ropes: list) -> nn.Module:
     """A model tree like vLLM's: each ``self_attn`` owns ``attn`` and ``rotary_emb``."""
     layers = nn.ModuleList()
