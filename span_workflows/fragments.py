@@ -20,6 +20,7 @@ that glue is dropped. Other text between fragments ends the run and stays in ord
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -40,6 +41,7 @@ from span_workflows.ir import (
     System,
     User,
 )
+from span_workflows.sampling import Sampling
 
 #: Fragments shorter than this (after stripping) are not registered: they would match anywhere.
 MIN_FRAGMENT_CHARS = 8
@@ -217,29 +219,45 @@ def lift_messages(
     max_tokens: int = 256,
     temperature: float = 0.0,
     model: str | None = None,
+    n: int = 1,
+    sampling: Sampling | None = None,
 ) -> Generate:
-    """A generation over chat ``messages`` (``(role, text)``; role system, user or assistant),
-    with the registered fragments inside system and user messages lifted into plus spans.
+    """A generation over chat ``messages`` (``(role, text)``; role system, user, assistant or
+    tool), with the registered fragments inside system and user messages lifted into plus
+    spans.
 
     A message ``before <docs> after`` becomes ``role(before), +(F, F, ...), role(after)`` in the
-    ordered join; assistant messages stay whole (they are outputs, not retrieved text).
+    ordered join; assistant messages stay whole (they are outputs, not retrieved text). Tool
+    results are user messages (the text the caller rendered); consecutive ones, the results of
+    one assistant turn's calls, commute: they become one plus. ``sampling`` is the G's.
     """
     from span_workflows.builders import g
 
     parts: list[Node] = []
+    tools: list[Node] = []
     for role, text in messages:
+        if role == "tool":
+            tools.append(User(text))
+            continue
+        if tools:
+            parts.append(tools[0] if len(tools) == 1 else Plus(tuple(tools)))
+            tools = []
         cls = ROLE_MESSAGES.get(role)
         if cls is None:
-            raise ValueError(f"unknown role {role!r}; expected system, user or assistant")
+            raise ValueError(f"unknown role {role!r}; expected system, user, assistant or tool")
         pieces = lift(text) if role != "assistant" else [text]
         for piece in pieces:
             if isinstance(piece, Run):
                 parts.append(Plus(tuple(Fragment(t) for t in piece.texts)))
             else:
                 parts.append(cls(piece))
+    if tools:
+        parts.append(tools[0] if len(tools) == 1 else Plus(tuple(tools)))
     if not parts:
         parts.append(User(""))
-    return g(Cross(tuple(parts)), max_tokens=max_tokens, temperature=temperature, model=model)
+    query = g(Cross(tuple(parts)), max_tokens=max_tokens, temperature=temperature, n=n,
+              model=model)
+    return query if sampling is None else dataclasses.replace(query, sampling=sampling)
 
 
 def commutative_outputs(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -20,6 +20,11 @@ Extensions::
     {"retrieve": {"query": "...", "fragments": [{"fragment": ...}, ...]}}
     {"prepare": {"plus": [Q, ...]}}
     in a g: "n": N (written only when not 1), "inline_prompt": true (written only when true)
+    in a g, sampling (each written only when not its default; see span_workflows.sampling):
+        "top_p": 1.0, "top_k": 0, "seed": S, "logprobs": K, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "stop": ["..."], "json_schema": {...schema...},
+        "tools": [{"type": "function", "function": {"name", "description", "parameters"}}],
+        "tool_choice": "auto" | "required" | "none" | a tool's name
 
 Errors raise :class:`~span_workflows.errors.SpanQueryError` whose path follows
 :mod:`span_workflows.validate`'s convention, e.g. ``input.cross[2]: unknown node 'plux'``.
@@ -34,6 +39,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
@@ -58,7 +64,11 @@ from span_workflows.ir import (
     join_path,
     role_of,
 )
+from span_workflows.sampling import Sampling
 from span_workflows.validate import MAX_DEPTH, validate
+
+#: The sampling options a g may carry (the fields of :class:`Sampling`).
+SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(Sampling))
 
 #: The deepest JSON bracket nesting read. Generous: any tree of at most ``MAX_DEPTH`` levels
 #: fits (no node spelling uses more than three brackets per level); the tree depth itself is
@@ -313,6 +323,7 @@ def _g_body(node: Generate, input_obj: object) -> dict:
         body["n"] = node.n
     if node.inline_prompt:
         body["inline_prompt"] = True
+    body.update(node.sampling.to_options())
     return body
 
 
@@ -523,7 +534,8 @@ def _fragment(body: object, path: str) -> Fragment:
     )
 
 
-_G_FIELDS = ("model", "input", "max_tokens", "temperature", "n", "inline_prompt")
+_G_FIELDS = ("model", "input", "max_tokens", "temperature", "n", "inline_prompt",
+             *SAMPLING_FIELDS)
 
 
 def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
@@ -539,8 +551,12 @@ def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
         raise SpanQueryError(
             path, f"{what} inline_prompt must be a boolean, got {_type_name(inline)}"
         )
+    try:
+        sampling = Sampling.from_options({k: body[k] for k in SAMPLING_FIELDS if k in body})
+    except (TypeError, ValueError) as exc:
+        raise SpanQueryError(path, f"{what}: {exc}") from None
     return _Frame(
-        lambda kids: Generate(kids[0], max_tokens, temperature, n, model, inline),
+        lambda kids: Generate(kids[0], max_tokens, temperature, n, model, inline, sampling),
         [(body["input"], join_path(path, "input"))],
         depth,
     )

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from span_workflows.compile import TokenizedQuery
+from span_workflows.sampling import ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,14 @@ class Result:
     #: results of the G's nested directly in this G's input (the drafts a judge read), keyed
     #: by their path in the optimized query (``input.cross[1].plus[0]``)
     nested: dict[str, Result] = field(default_factory=dict)
+    #: why the answer ended: ``"stop"`` (end of turn or a stop sequence), ``"length"``
+    #: (``max_tokens`` or the context limit) or ``"tool_calls"`` (the answer calls tools;
+    #: ``text`` is then empty)
+    finish_reason: str = "stop"
+    #: the tool calls of the answer (a G with tools); a plain answer's ``text`` is its content
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    #: top log-probabilities of every generated token of the first sample (``logprobs=k``)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"text", "metrics"}`` as the CLI prints it."""

@@ -1,13 +1,15 @@
 """What crosses from a plan into vLLM and back, for the embedded engine and the HTTP app alike.
 
 A plan :class:`~span_workflows.plan.Request` becomes a tokens prompt (with vLLM's
-``cache_salt``) and :class:`vllm.SamplingParams` whose ``extra_args`` carry the request's span
-segments under this process's layout key (:func:`span_vllm.contract.layout_args`); nothing else
-reaches the engine processes. While the request runs, a :class:`RequestRun` reads vLLM's
-cumulative ``RequestOutput`` s: it notes the first token, streams part texts, and says when the
-request must be aborted because its cache hits fell short (a prepared span was evicted before
-it was used; the plan then prepares again and retries). At the end it builds the plan's
-:class:`~span_workflows.plan.Output`.
+``cache_salt``) and :class:`vllm.SamplingParams`: the request's sampling options, stop
+sequences and output constraint (vLLM's structured outputs), and in ``extra_args`` the
+request's span segments under this process's layout key
+(:func:`span_vllm.contract.layout_args`); nothing else reaches the engine processes. While the
+request runs, a :class:`RequestRun` reads vLLM's cumulative ``RequestOutput`` s: it notes the
+first token, streams part texts, and says when the request must be aborted because its cache
+hits fell short (a prepared span was evicted before it was used; the plan then prepares again
+and retries). At the end it builds the plan's :class:`~span_workflows.plan.Output`, with each
+sample's finish reason.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from span_vllm import contract
 from span_workflows.plan import Output, Request
+from span_workflows.sampling import answer_schema
 from span_workflows.streaming import PartStream
 
 
@@ -32,10 +35,17 @@ def sampling_params(req: Request, layout_key: str) -> Any:
     """vLLM's ``SamplingParams`` of ``req``; its segments travel in ``extra_args`` (a request
     without segments hashes exactly as stock vLLM does)."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    s = req.sampling
+    schema = answer_schema(s)
     return SamplingParams(
         max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
-        logprobs=req.logprobs,
+        logprobs=req.logprobs, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
+        presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        stop=list(s.stop) or None,
+        structured_outputs=(None if schema is None else
+                            StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
         extra_args=contract.layout_args(req.segments, layout_key) if req.segments else None,
     )
 
@@ -79,6 +89,8 @@ class RequestRun:
         outputs = sorted(final.outputs, key=lambda o: o.index)
         logprobs = getattr(outputs[0], "logprobs", None)
         return Output(
+            finish_reasons=[o.finish_reason or "stop" for o in outputs],
+            logprobs=[{tok: lp.logprob for tok, lp in step.items()} for step in logprobs or []],
             texts=[o.text for o in outputs],
             token_ids=[list(o.token_ids) for o in outputs],
             prompt_tokens=len(final.prompt_token_ids or self.request.prompt),

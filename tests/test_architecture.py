@@ -37,8 +37,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "boundary": ("vllm_io", "serving.wire", "streaming"),
     "plan": ("plan", "result", "fragments"),
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
-                            "optimize", "locality", "compile", "render", "layout"),
-    "ground": ("ir", "errors", "model", "retrieval"),
+                            "optimize", "locality", "compile", "render", "layout",
+                            "tool_prompt"),
+    "ground": ("ir", "errors", "model", "retrieval", "sampling"),
 }
 
 

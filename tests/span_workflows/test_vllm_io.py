@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 from span_vllm import contract
 from span_workflows.plan import Request
+from span_workflows.sampling import Sampling
 from span_workflows.streaming import PartStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
@@ -13,7 +14,8 @@ SEGMENTS = ((32, contract.ANCHORED), (64, contract.ORDERED))
 
 
 def _out(text: str, tokens: list[int], cached: int, finished: bool = False) -> SimpleNamespace:
-    sample = SimpleNamespace(index=0, text=text, token_ids=tokens, logprobs=None)
+    sample = SimpleNamespace(index=0, text=text, token_ids=tokens, logprobs=None,
+                             finish_reason="length" if finished else None)
     return SimpleNamespace(outputs=[sample], prompt_token_ids=None, num_cached_tokens=cached,
                            finished=finished)
 
@@ -27,6 +29,20 @@ def test_segments_and_salt_travel_next_to_the_tokens() -> None:
     assert params.extra_args == contract.layout_args(SEGMENTS, "key")
     plain = sampling_params(Request([1], 4, 0.0), "key")
     assert plain.extra_args is None and "cache_salt" not in tokens_prompt(Request([1], 4, 0.0))
+    assert plain.structured_outputs is None and not plain.stop
+
+
+def test_sampling_options_and_the_output_constraint_reach_vllm() -> None:
+    sampling = Sampling.from_options({
+        "top_p": 0.5, "top_k": 3, "seed": 11, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "stop": ["\n\n"], "tool_choice": "required",
+        "tools": [{"name": "f", "parameters": {"type": "object"}}]})
+    params = sampling_params(Request([1], 4, 1.0, sampling=sampling), "key")
+    assert (params.top_p, params.top_k, params.seed) == (0.5, 3, 11)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.5)
+    assert params.stop == ["\n\n"]
+    schema = params.structured_outputs.json
+    assert schema["required"] == ["tool_calls"]  # "required": calls only, no content answer
 
 
 def test_a_run_streams_its_part_and_reports_its_output() -> None:
@@ -41,6 +57,7 @@ def test_a_run_streams_its_part_and_reports_its_output() -> None:
     assert (out.texts, out.token_ids, out.prompt_tokens, out.cached_tokens) == (
         ["Hello"], [[7, 8]], 3, 3)
     assert (out.submitted, out.first_token, out.finished, out.short) == (10.0, 11.0, 12.0, False)
+    assert out.finish_reasons == ["length"]
 
 
 def test_a_run_whose_hits_fell_short_is_aborted_before_it_streams() -> None:
