@@ -9,8 +9,9 @@ field; the default samples as before). Its options reach vLLM's ``SamplingParams
 **Constrained output.** ``json_schema`` constrains the answer to JSON valid for that schema.
 ``tools`` (with ``tool_choice``) constrains it to the *answer format* of :func:`answer_schema`:
 
-* ``{"tool_calls": [{"name": N, "arguments": {...}}, ...]}`` — one or more calls, each to a
-  listed tool with arguments valid for its parameter schema;
+* ``{"tool_calls": [{"name": N, "arguments": {...}}, ...]}`` — one or more calls (at most
+  as many as there are tools to choose from), each to a listed tool with arguments valid for
+  its parameter schema;
 * ``{"content": "..."}`` — a plain answer (only when ``tool_choice`` is ``"auto"``).
 
 ``tool_choice`` is ``"auto"`` (either form), ``"required"`` (calls only), ``"none"`` (the
@@ -221,7 +222,7 @@ def answer_schema(sampling: Sampling) -> dict[str, Any] | None:
     } for t in tools]
     call_list = {
         "type": "object",
-        "properties": {CALLS_KEY: {"type": "array", "minItems": 1,
+        "properties": {CALLS_KEY: {"type": "array", "minItems": 1, "maxItems": len(calls),
                                    "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}},
         "required": [CALLS_KEY],
         "additionalProperties": False,
@@ -283,14 +284,15 @@ def parse_answer(text: str, call_ids: str = "call") -> tuple[str, list[ToolCall]
 
 def render_calls(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """An assistant turn that made these ``(name, arguments)`` calls, in the answer format
-    (how a call of an earlier turn is shown to the model in a history)."""
+    and compact, as the engine generates it (how a call of an earlier turn is shown to the
+    model in a history)."""
     return json.dumps({CALLS_KEY: [{"name": n, "arguments": dict(a)} for n, a in calls]},
-                      ensure_ascii=False)
+                      ensure_ascii=False, separators=(",", ":"))
 
 
 def render_content(text: str) -> str:
     """A plain answer of an earlier turn in the answer format."""
-    return json.dumps({CONTENT_KEY: text}, ensure_ascii=False)
+    return json.dumps({CONTENT_KEY: text}, ensure_ascii=False, separators=(",", ":"))
 
 
 def _number(value: object) -> bool:
