@@ -96,9 +96,10 @@ class Engine:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             seed=seed,
-            # Constrained answers (JSON schemas, tool calls) in compact JSON: no tokens are
-            # spent on layout, and a call renders back into a history as it was generated.
-            structured_outputs_config={"disable_any_whitespace": True},
+            # Constrained answers (JSON schemas, tool calls) by xgrammar, in compact JSON: no
+            # tokens are spent on layout, and a call renders back into a history as it was
+            # generated.
+            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
         )
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len

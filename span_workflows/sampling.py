@@ -15,8 +15,9 @@ field; the default samples as before). Its options reach vLLM's ``SamplingParams
 * ``{"content": "..."}`` — a plain answer (only when ``tool_choice`` is ``"auto"``).
 
 ``tool_choice`` is ``"auto"`` (either form), ``"required"`` (calls only), ``"none"`` (the
-tools are ignored: free text) or a tool's name (calls to that tool only). The generation is
-constrained by vLLM's structured outputs (xgrammar / llguidance), so even a small model
+tools are ignored: free text) or a tool's name (calls to that tool only). Tools named in
+``used_tools`` are not offered (with ``"auto"`` and every tool used, only a plain answer is).
+The generation is constrained by vLLM's structured outputs (xgrammar), so even a small model
 produces a parseable answer; :func:`parse_answer` reads it back. :func:`tool_instructions` is
 the text that describes the tools and the format to the model (a system message).
 
@@ -92,7 +93,9 @@ class Sampling:
     ``presence_penalty``/``frequency_penalty`` in [-2, 2]; ``stop``: stop sequences, applied
     by the sampler (generation ends there; the stop text is not returned); ``json_schema``:
     canonical JSON text of the schema the answer must satisfy; ``tools``/``tool_choice``: see
-    the module docstring. ``json_schema`` and tools exclude each other.
+    the module docstring; ``used_tools``: names of tools that stay described to the model (the
+    prompt does not change) but may not be called in this answer, e.g. those an agent already
+    called since the user's last message. ``json_schema`` and tools exclude each other.
     """
 
     top_p: float = 1.0
@@ -105,6 +108,7 @@ class Sampling:
     json_schema: str | None = None
     tools: tuple[ToolSpec, ...] = ()
     tool_choice: str = "auto"
+    used_tools: tuple[str, ...] = ()
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Sampling:
@@ -129,6 +133,8 @@ class Sampling:
                 raise ValueError(f"json_schema must be a JSON schema object, got "
                                  f"{type(schema).__name__}")
             values["json_schema"] = canonical_json(schema)
+        if values.get("used_tools") is not None:
+            values["used_tools"] = tuple(values["used_tools"])
         if values.get("tools") is not None:
             values["tools"] = tuple(
                 t if isinstance(t, ToolSpec) else ToolSpec.from_dict(t) for t in values["tools"]
@@ -155,7 +161,7 @@ class Sampling:
                 value = json.loads(value)
             elif f.name == "tools":
                 value = [{"type": "function", "function": t.to_dict()} for t in value]
-            elif f.name == "stop":
+            elif f.name in ("stop", "used_tools"):
                 value = list(value)
             out[f.name] = value
         return out
@@ -201,6 +207,10 @@ class Sampling:
             return (f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or the name of a "
                     f"given tool ({', '.join(names) or 'no tools given'}), "
                     f"got {self.tool_choice!r}")
+        if not isinstance(self.used_tools, tuple) or not all(
+                isinstance(n, str) and n in names for n in self.used_tools):
+            return (f"used_tools must name given tools ({', '.join(names) or 'none given'}), "
+                    f"got {self.used_tools!r}")
         if self.tools and self.json_schema is not None:
             return "json_schema and tools cannot be used together"
         return None
@@ -214,6 +224,13 @@ def answer_schema(sampling: Sampling) -> dict[str, Any] | None:
         return None
     tools = [t for t in sampling.tools
              if sampling.tool_choice in ("auto", "required") or t.name == sampling.tool_choice]
+    fresh = [t for t in tools if t.name not in sampling.used_tools]
+    if fresh or sampling.tool_choice == "auto":
+        tools = fresh  # a forced call may repeat a used tool when nothing else is left
+    content = {"type": "object", "properties": {CONTENT_KEY: {"type": "string"}},
+               "required": [CONTENT_KEY], "additionalProperties": False}
+    if not tools:
+        return content
     calls = [{
         "type": "object",
         "properties": {"name": {"const": t.name}, "arguments": json.loads(t.parameters)},
@@ -229,8 +246,6 @@ def answer_schema(sampling: Sampling) -> dict[str, Any] | None:
     }
     if sampling.tool_choice != "auto":
         return call_list
-    content = {"type": "object", "properties": {CONTENT_KEY: {"type": "string"}},
-               "required": [CONTENT_KEY], "additionalProperties": False}
     return {"anyOf": [call_list, content]}
 
 

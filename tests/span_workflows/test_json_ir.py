@@ -285,7 +285,7 @@ def test_node_objects_need_exactly_one_key(obj: dict, message: str) -> None:
         ({"g": {"input": {"user": "x"}, "max_token": 5}}, "",
          "unknown field 'max_token' in g (expected model, input, max_tokens, temperature, n, "
          "inline_prompt, top_p, top_k, seed, logprobs, presence_penalty, frequency_penalty, "
-         "stop, json_schema, tools, tool_choice)"),
+         "stop, json_schema, tools, tool_choice, used_tools)"),
         ({"g": "x"}, "", "g must be an object, got a string"),
         ({"plus": ["text"]}, "plus[0]", "expected a node object, got a string"),
         ({"fragment": {"source": "s"}}, "", "fragment is missing 'text'"),

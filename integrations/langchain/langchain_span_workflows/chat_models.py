@@ -12,6 +12,7 @@ streaming is token by token on both the embedded engine and a server.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 from langchain_span_workflows.tools import (
     ToolsMixin,
     ai_message_text,
+    called_this_turn,
     sampling_options,
     tool_call_chunks,
     tool_calls_of,
@@ -103,6 +105,12 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
     """Top log-probabilities to return per generated token (``response_metadata``)."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    n: int = 1
+    """Samples per call: one ``ChatGeneration`` each."""
+    tool_once_per_turn: bool = False
+    """With tools bound: a tool already called since the last human message is not offered
+    again (it stays described, so the prompt's prefix is unchanged); once every tool has been
+    called, the model answers. Keeps a small model from calling one tool in a loop."""
     timeout: float | None = None
     max_retries: int = 0
     streaming: bool = False
@@ -153,6 +161,7 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
                              f"switch to model {model!r}")
         max_tokens = int(kwargs.pop("max_tokens", self.max_tokens))
         temperature = float(kwargs.pop("temperature", self.temperature))
+        n = int(kwargs.pop("n", self.n))
         sampling = sampling_options(self, kwargs, stop or self.stop)
         names = {c["id"]: c["name"] for m in messages if isinstance(m, AIMessage)
                  for c in m.tool_calls}
@@ -164,7 +173,10 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
                 pairs.append(("assistant", ai_message_text(m, sampling.uses_tools)))
             else:
                 pairs.append((role_of_message(m), m.text))
-        return lift_messages(pairs, max_tokens=max_tokens, temperature=temperature,
+        if self.tool_once_per_turn and sampling.uses_tools:
+            sampling = dataclasses.replace(sampling, used_tools=called_this_turn(messages,
+                                                                                 sampling))
+        return lift_messages(pairs, max_tokens=max_tokens, temperature=temperature, n=n,
                              sampling=sampling)
 
     # -- generation -----------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.messages import AIMessage, ToolMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.messages.tool import tool_call, tool_call_chunk
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
@@ -142,6 +142,17 @@ def ai_message_text(message: AIMessage, tools_bound: bool) -> str:
     return render_content(message.text) if tools_bound else message.text
 
 
+def called_this_turn(messages: Sequence[BaseMessage], sampling: Sampling) -> tuple[str, ...]:
+    """The bound tools that assistant messages called since the last human message."""
+    called: set[str] = set()
+    for m in reversed(messages):
+        if isinstance(m, HumanMessage):
+            break
+        if isinstance(m, AIMessage):
+            called.update(c["name"] for c in m.tool_calls)
+    return tuple(t.name for t in sampling.tools if t.name in called)
+
+
 def tool_result_text(message: ToolMessage, name: str | None) -> str:
     """A tool's result as the user turn the model reads."""
     tool = name or message.name or "tool"
@@ -162,5 +173,6 @@ def tool_call_chunks(result: Result) -> list:
             for i, c in enumerate(result.tool_calls)]
 
 
-__all__ = ["SAMPLING_FIELDS", "ToolsMixin", "ai_message_text", "sampling_options",
+__all__ = ["SAMPLING_FIELDS", "ToolsMixin", "ai_message_text", "called_this_turn",
+           "sampling_options",
            "tool_call_chunks", "tool_calls_of", "tool_result_text"]

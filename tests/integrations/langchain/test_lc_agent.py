@@ -20,7 +20,8 @@ TOOLS = [tool(get_weather), tool(get_population)]
 @pytest.fixture(scope="module")
 def run(engine) -> dict:
     engine.reset_cache()
-    agent = create_react_agent(SpanChatModel(engine=engine, max_tokens=96), TOOLS)
+    agent = create_react_agent(
+        SpanChatModel(engine=engine, max_tokens=64, tool_once_per_turn=True), TOOLS)
     return agent.invoke(
         {"messages": [SystemMessage(SYSTEM), HumanMessage(QUESTION)]},
         {"recursion_limit": 12},

@@ -11,6 +11,7 @@ from langchain_core.tools import tool
 
 from langchain_span_workflows import SpanChatModel
 from span_workflows.ir import Assistant, Cross, Plus, User
+from span_workflows.sampling import answer_schema
 
 
 @tool
@@ -87,3 +88,21 @@ def test_json_schema_method_binds_the_schema_as_the_output_constraint() -> None:
     bound = structured.first
     query = bound.bound.to_query([HumanMessage("joke")], **bound.kwargs)
     assert json.loads(query.sampling.json_schema)["required"] == ["setup"]
+
+
+def test_tool_once_per_turn_offers_only_the_tools_not_yet_called() -> None:
+    llm = SpanChatModel(tool_once_per_turn=True)
+    tools = llm.bind_tools([get_weather, get_population]).kwargs
+    first = llm.to_query(HISTORY[:1], **tools).sampling
+    assert first.used_tools == ()
+    after_one = llm.to_query([*HISTORY[:1], AIMessage("", tool_calls=[
+        {"name": "get_weather", "args": {"city": "Oslo"}, "id": "c1"}]),
+        ToolMessage("sunny", tool_call_id="c1")], **tools).sampling
+    assert after_one.used_tools == ("get_weather",)
+    schema = answer_schema(after_one)
+    calls = schema["anyOf"][0]["properties"]["tool_calls"]["items"]
+    assert calls["properties"]["name"] == {"const": "get_population"}
+    # Both called: only a plain answer is left; a new human message starts a new turn.
+    assert answer_schema(llm.to_query(HISTORY, **tools).sampling)["required"] == ["content"]
+    again = llm.to_query([*HISTORY, HumanMessage("And Bergen?")], **tools).sampling
+    assert again.used_tools == ()

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def llm(engine) -> SpanLLM:
-    return SpanLLM(engine=engine, max_tokens=96)
+    return SpanLLM(engine=engine, max_tokens=64, tool_once_per_turn=True)
 
 
 def test_span_llm_is_a_function_calling_llm_with_the_engine_context_window(llm, engine) -> None:

@@ -11,6 +11,7 @@ by token on both the embedded engine and a server.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -82,6 +83,10 @@ class SpanLLM(CustomLLM, FunctionCallingLLM, QueryRunner):
         "vLLM cache salt: this model's cached KV, spans included, is shared with no other "
         "salt."))
 
+    tool_once_per_turn: bool = Field(default=False, description=(
+        "With tools: a tool already called since the last user message is not offered again "
+        "(it stays described); once every tool has been called, the model answers."))
+
     _server: Any = PrivateAttr(default=None)
     _last_result: Any = PrivateAttr(default=None)
 
@@ -123,6 +128,14 @@ class SpanLLM(CustomLLM, FunctionCallingLLM, QueryRunner):
         pairs = [_pair(m, names, sampling.uses_tools) for m in messages]
         if self.system_prompt and not any(role == "system" for role, _ in pairs):
             pairs.insert(0, ("system", self.system_prompt))
+        if self.tool_once_per_turn and sampling.uses_tools:
+            called: set[str] = set()
+            for m in reversed(messages):
+                if m.role == MessageRole.USER:
+                    break
+                called.update(c["name"] for c in m.additional_kwargs.get("tool_calls") or [])
+            sampling = dataclasses.replace(
+                sampling, used_tools=tuple(t.name for t in sampling.tools if t.name in called))
         return lift_messages(pairs, max_tokens=max_tokens, temperature=temperature,
                              sampling=sampling)
 
