@@ -28,7 +28,11 @@ def test_span_llm_is_a_function_calling_llm_with_the_engine_context_window(llm, 
 
 def test_function_agent_runs_the_two_tool_task(llm) -> None:
     agent = FunctionAgent(tools=[get_weather, get_population], llm=llm, system_prompt=SYSTEM)
-    response = asyncio.run(agent.run(QUESTION, max_iterations=10))
+
+    async def run() -> object:
+        return await agent.run(QUESTION, max_iterations=10)
+
+    response = asyncio.run(run())
     called = {c.tool_name for c in response.tool_calls}
     assert called == {"get_weather", "get_population"}
     assert all("Varnholm" in str(c.tool_output) for c in response.tool_calls)
