@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.corpus import documents
 from span_workflows.apps.report import plot, print_table
 from span_workflows.builders import g, judge_generator, rag, user
 
@@ -35,35 +36,6 @@ from span_workflows.builders import g, judge_generator, rag, user
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
-_STDLIB = (
-    "json", "pathlib", "itertools", "functools", "collections", "datetime", "re", "asyncio",
-    "heapq", "bisect", "statistics", "textwrap", "shutil", "tempfile", "csv", "sqlite3",
-    "zipfile", "argparse", "logging", "random", "decimal", "fractions", "uuid", "hashlib",
-    "difflib", "enum", "dataclasses", "typing", "contextlib", "copy", "pickle", "threading",
-    "queue", "subprocess", "socket", "calendar", "tarfile", "glob", "weakref", "operator",
-)
-
-
-def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[str]:
-    """``count`` distinct documents of about ``doc_tokens`` tokens of real English text (the
-    standard library's documentation), deterministic."""
-    import importlib
-
-    text = []
-    for name in _STDLIB:
-        module = importlib.import_module(name)
-        text.append(module.__doc__ or "")
-        for attr in sorted(dir(module))[:40]:
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
-            if isinstance(doc, str) and not attr.startswith("_"):
-                text.append(doc)
-    ids = tokenizer.encode("\n".join(text), add_special_tokens=False)
-    need = count * doc_tokens
-    while len(ids) < need:
-        ids = ids + ids
-    return [tokenizer.decode(ids[i * doc_tokens:(i + 1) * doc_tokens]) for i in range(count)]
-
-
 def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: int,
               progress: bool = True) -> list[dict[str, Any]]:
     """One row per document count; see the module docstring."""

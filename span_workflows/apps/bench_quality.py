@@ -202,7 +202,7 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     ``variant_names`` lists it. Answers found in ``store`` are not computed again."""
     from tqdm.auto import tqdm
 
-    from span_workflows.apps.bench import documents
+    from span_workflows.apps.corpus import documents
 
     store = store or AnswerStore(None)
     model = Path(str(getattr(engine, "model_dir", "model"))).name
