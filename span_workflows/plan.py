@@ -171,6 +171,7 @@ class Planner:
             generated_tokens=sum(p.metrics.generated_tokens for p in parts),
             prepare_requests=sum(p.metrics.prepare_requests for p in parts),
             latency_s=time.perf_counter() - started,
+            link_requests=sum(p.metrics.link_requests for p in parts),
         )
         return Result(PART_SEPARATOR.join(p.text for p in parts), metrics,
                       [t for p in parts for t in p.texts], parts=parts)
@@ -208,7 +209,7 @@ class Planner:
             )
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
         expected = _expected_hits(tq) if span_mode else 0
-        prepared = 0
+        prepared = relinked = 0
         for attempt in range(MAX_ATTEMPTS):
             if span_mode and tq.prepare_stages:
                 everything = tq.prepare
@@ -229,7 +230,7 @@ class Planner:
                 for link, cached in zip(tq.links, linked, strict=True):
                     if not cached or attempt:
                         yield [Request.prepare(link, salt)]
-                        prepared += 1
+                        relinked += 1
             last = attempt == MAX_ATTEMPTS - 1
             [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
                                    None if inline else settings.logprobs,
@@ -244,6 +245,7 @@ class Planner:
             prepare_requests=prepared,
             latency_s=out.finished - started,
             final_ttft_s=out.first_token - out.submitted,
+            link_requests=relinked,
         )
         return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
                       first_logprobs=out.first_logprobs, nested=nested_results)

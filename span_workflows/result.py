@@ -15,13 +15,17 @@ class Metrics:
     the first token of its final generation."""
 
     ttft_s: float
-    prompt_tokens: int
+    prompt_tokens: int  # the final generations' prompts
+    # ``prepare_requests``: spans computed because they were not cached (0 on a full hit)
     cached_tokens: int
     generated_tokens: int
     prepare_requests: int = 0
     latency_s: float = 0.0
     #: TTFT of the final generation request alone (after nested G's and prepares)
     final_ttft_s: float = 0.0
+    #: link requests run (``SpanOptions.link_blocks``): each recomputes the first blocks of
+    #: one span after everything before it; a new order of cached spans needs new links
+    link_requests: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
         """Every metric under its field name, JSON-ready (the CLI's and the wire's form)."""

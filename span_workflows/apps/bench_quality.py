@@ -199,7 +199,8 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     """One row per (variant, document count); see the module docstring. ``stock`` is always
     run (the reference of ``kl_first_token`` and ``speedup_hit``), and so is the ``full@``
     variant of each span variant's layout (the reference of ``kl_vs_layout``) when
-    ``variant_names`` lists it. Answers found in ``store`` are not computed again."""
+    ``variant_names`` lists it. Answers found in ``store`` are not computed again;
+    ``ttft_docs=0`` skips the TTFT columns (``None``)."""
     from tqdm.auto import tqdm
 
     from span_workflows.apps.corpus import documents
@@ -229,6 +230,10 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
             layout = answers.get(_layout_name(variant.options)) if variant.is_span else None
             rows.append(_row(variant, n_docs, answers[variant.name], answers["stock"], layout))
     bar.close()
+    if ttft_docs < 1:  # answers only
+        for row in rows:
+            row["ttft_hit_s"] = row["speedup_hit"] = None
+        return rows
     ttft_texts = documents(engine.tokenizer, ttft_docs, ttft_doc_tokens)
     ttft_question = "Which module do the documents describe first?"
     stock_ttft = hit_ttft(engine, None, ttft_texts, ttft_question, reps)

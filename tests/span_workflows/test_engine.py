@@ -78,7 +78,8 @@ def test_repositioned_logits_match_the_attention_reference_of_the_mode(
     moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5,
                            span_options=options)
     assert moved.metrics.cached_tokens > 0
-    assert moved.metrics.prepare_requests == len(moved.query.links)  # new order: new links
+    assert moved.metrics.prepare_requests == 0  # every span cached ...
+    assert moved.metrics.link_requests == len(moved.query.links)  # ... new order: new links
     expected = reference.generate(moved.query, attend, max_tokens=0,
                                   link_tokens=link_blocks * engine.block_size).first_logprobs
     full = reference.generate(moved.query, "full", max_tokens=0).first_logprobs
