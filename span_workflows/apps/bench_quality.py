@@ -55,11 +55,12 @@ class Variant:
 
 
 def _span(name: str, **fields: Any) -> Variant:
-    return Variant(name, SpanOptions(**fields))
+    """A span variant: no link blocks unless ``fields`` ask for them (whatever the default)."""
+    return Variant(name, SpanOptions(**{"link_blocks": 0, **fields}))
 
 
 def _layout(name: str, **fields: Any) -> Variant:
-    return Variant(name, SpanOptions(**fields), layout_only=True)
+    return Variant(name, SpanOptions(**{"link_blocks": 0, **fields}), layout_only=True)
 
 
 #: Every variant the benchmark knows, by name.
@@ -67,6 +68,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("stock"),
     _span("prefix"),
     _span("prefix/link", link_blocks=1),
+    _span("prefix/link2", link_blocks=2),
     _span("prefix/pad-inside", pad="inside"),
     _span("prefix/pad-before", pad="before"),
     _span("prefix/marker", marker=True),
