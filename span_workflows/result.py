@@ -16,9 +16,9 @@ class Metrics:
 
     ttft_s: float
     prompt_tokens: int  # the final generations' prompts
-    # ``prepare_requests``: spans computed because they were not cached (0 on a full hit)
     cached_tokens: int
     generated_tokens: int
+    #: spans computed because they were not cached (0 on a full hit)
     prepare_requests: int = 0
     latency_s: float = 0.0
     #: TTFT of the final generation request alone (after nested G's and prepares)

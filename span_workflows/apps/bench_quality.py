@@ -60,7 +60,8 @@ def _span(name: str, **fields: Any) -> Variant:
 
 
 def _layout(name: str, **fields: Any) -> Variant:
-    return Variant(name, SpanOptions(**{"link_blocks": 0, **fields}), layout_only=True)
+    """The tokens of span variant ``fields``, read with full attention."""
+    return Variant(name, _span(name, **fields).options, layout_only=True)
 
 
 #: Every variant the benchmark knows, by name.

@@ -29,7 +29,8 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval holds p exactly (at p = 0 or 1, centre ± half misses it by rounding).
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def _fmt(value: Any) -> str:
