@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from span_workflows.plan import PART_SEPARATOR
 from span_workflows.result import Result
@@ -39,6 +40,12 @@ class PartStream:
             self._seen[part] = len(text)
             self._emit(part, text[seen:])
 
+    def update_output(self, part: int, output: Any) -> None:
+        """Part ``part``'s vLLM ``CompletionOutput`` so far (cumulative); only the first
+        output (``index`` 0) is streamed."""
+        if output.index == 0:
+            self.update(part, output.text)
+
     def finish(self, part: int) -> None:
         """Part ``part`` generated its last token."""
         self._emit(part, "")
@@ -63,6 +70,44 @@ class PartStream:
     def _put(self, delta: str) -> None:
         if delta:
             self._emit_delta(delta)
+
+
+class ChoiceStream:
+    """Streams every output (choice) of a one-generation answer on its own, for answers that
+    keep their ``n`` outputs apart (OpenAI's ``choices``, spnl's ``index``).
+
+    Fed like a :class:`PartStream` (by :class:`~span_workflows.vllm_io.RequestRun`), it
+    calls ``emit(index, delta)`` with each non-empty delta of output ``index`` and records
+    each output's vLLM ``finish_reason`` (``"stop"``, ``"length"``, ...) in
+    :attr:`finish_reasons`. Only part 0 (the answer of a single G) is read. ``emit`` may be
+    ``None`` to only record finish reasons."""
+
+    def __init__(self, emit: Callable[[int, str], None] | None = None) -> None:
+        self._emit = emit
+        self._seen: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+
+    def update(self, part: int, text: str) -> None:
+        """Output 0's text so far (cumulative)."""
+        self._update(part, 0, text)
+
+    def update_output(self, part: int, output: Any) -> None:
+        """A vLLM ``CompletionOutput`` so far (cumulative text)."""
+        self._update(part, int(output.index), output.text)
+        if part == 0 and getattr(output, "finish_reason", None):
+            self.finish_reasons[int(output.index)] = str(output.finish_reason)
+
+    def _update(self, part: int, index: int, text: str) -> None:
+        if part != 0:
+            return
+        seen = self._seen.get(index, 0)
+        if len(text) > seen:
+            self._seen[index] = len(text)
+            if self._emit is not None:
+                self._emit(index, text[seen:])
+
+    def finish(self, part: int) -> None:
+        """Part ``part`` generated its last token (nothing to flush: no output waits)."""
 
 
 class TextStream(Iterator[str]):
@@ -131,4 +176,4 @@ class AsyncTextStream(AsyncIterator[str]):
         await self.aclose()
 
 
-__all__ = ["AsyncTextStream", "PartStream", "TextStream"]
+__all__ = ["AsyncTextStream", "ChoiceStream", "PartStream", "TextStream"]

@@ -30,6 +30,7 @@ from starlette.requests import Request as HttpRequest
 from span_vllm import contract
 from span_workflows.errors import SpanQueryError
 from span_workflows.serving import wire
+from span_workflows.serving.chat_route import install_chat_route
 from span_workflows.serving.service import SpanQueryService
 from span_workflows.streaming import PartStream
 
@@ -196,6 +197,7 @@ def install(app: Any, service: SpanQueryService, *, max_body: int = wire.MAX_BOD
 
     app.state.span_service = service
     app.include_router(make_router(max_body))
+    install_chat_route(app)  # /v1/chat/completions with "spans"
     # vLLM's /metrics, with the span counters fetched from the engine core first. Put ahead of
     # vLLM's own /metrics routes (the middleware stack is already built, so no middleware).
     from fastapi.routing import APIRoute

@@ -101,6 +101,9 @@ def server_command(
         cmd += ["--max-model-len", str(int(max_model_len))]
     if api_key:
         cmd += ["--api-key", api_key]
+    if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
+        # The default model answers to its short name as well as to its path.
+        cmd += ["--served-model-name", reference, DEFAULT_MODEL_NAME]
     cmd += [str(a) for a in extra_args]
     return cmd
 
