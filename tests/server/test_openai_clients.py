@@ -7,6 +7,8 @@ clients are the real ``openai`` SDK, LangChain's ``ChatOpenAI`` and LlamaIndex's
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import time
 
 import httpx
@@ -26,15 +28,21 @@ DOCS = [
     "The Varnholm lighthouse was built in 1871 by the engineer Ada Lindqvist. She designed its "
     "spiral stone stair of 212 steps, its granite walls two metres thick at the base, and the "
     "iron lantern room that still crowns the tower. The work took four summers, because the "
-    "winter storms on the headland made building impossible from October to April.",
+    "winter storms on the headland made building impossible from October to April. Lindqvist "
+    "lived in a wooden hut below the cliff for those four years and paid the stonemasons from "
+    "her own savings when the harbour board ran out of money in the third summer.",
     "The keepers of the Varnholm lighthouse lit the lamp every night with whale oil until 1923, "
     "when the lamp was converted to electricity. The last keeper, Henrik Sol, left in 1968, "
     "after which the light was run automatically from the harbour office in Skarvik. His "
-    "logbooks, kept for thirty-one years, are on display in the town museum.",
+    "logbooks, kept for thirty-one years, are on display in the town museum. They record "
+    "every ship that passed the headland, the weather at dawn and dusk, and the night in 1952 "
+    "when he rowed out alone to rescue the crew of a fishing boat caught on the reef.",
     "The light of the Varnholm lighthouse can be seen from 40 kilometres away in clear weather. "
     "It flashes white twice every ten seconds, a pattern that sailors call the Varnholm double. "
     "In fog a horn sounds once every thirty seconds, and since 1994 a radio beacon has "
-    "broadcast the lighthouse's position to ships that cannot see the light.",
+    "broadcast the lighthouse's position to ships that cannot see the light. The lens, made in "
+    "Paris in 1870, weighs almost two tonnes and floats on a bath of mercury so that a small "
+    "clockwork motor can turn it, wound by hand every four hours until 1923.",
 ]
 QUESTION_1 = "Who built the Varnholm lighthouse?"
 QUESTION_2 = "How far away can the Varnholm light be seen?"
@@ -221,3 +229,121 @@ def test_without_spans_it_is_stock_vllm_under_both_names(client: openai.OpenAI,
     # vLLM's own validation answers bodies without spans
     bad = http.post("/v1/chat/completions", json={"model": MODEL, "messages": "nope"})
     assert bad.status_code == 400
+
+
+class Recorder:
+    """httpx event hooks that keep each chat request a client sends and the answer it got
+    (they only read; the clients run unchanged)."""
+
+    def __init__(self) -> None:
+        self.exchanges: list[tuple[dict, dict]] = []
+        self._pending: list[dict] = []
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(timeout=300, event_hooks={"request": [self._request],
+                                                      "response": [self._response]})
+
+    def _request(self, request: httpx.Request) -> None:
+        if request.url.path.endswith("/chat/completions"):
+            self._pending.append(json.loads(request.content))
+
+    def _response(self, response: httpx.Response) -> None:
+        if response.request.url.path.endswith("/chat/completions"):
+            response.read()
+            self.exchanges.append((self._pending.pop(0), response.json()))
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
+
+
+def _tagged(tag: str) -> list[str]:
+    """The documents as another archive holds them (not cached by the other tests)."""
+    return [f"From the {tag} archive. {d}" for d in DOCS]
+
+
+def _ranked(docs: list[str], question: str) -> list[str]:
+    """``docs``, most words shared with ``question`` first (a keyword retriever)."""
+    return sorted(docs, key=lambda d: -len(_words(question) & _words(d)))
+
+
+def _check_reuse(recorder: Recorder, http: httpx.Client, docs: list[str], tokenizer,
+                 label: str) -> None:
+    """Two questions went out: the second reuses the documents, and each answer is the
+    ``/v1/query/execute`` answer of the same query."""
+    doc_tokens = sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
+    assert len(recorder.exchanges) == 2
+    (sent_1, got_1), (sent_2, got_2) = recorder.exchanges
+    orders = [sorted(docs, key=lambda d: json.dumps(s["messages"]).index(json.dumps(d)[1:-1]))
+              for s in (sent_1, sent_2)]
+    assert orders[0] != orders[1]  # the retriever ranked the documents differently
+    assert sent_1["spans"] == sent_2["spans"] == docs  # the one extra field, as configured
+    assert got_1["usage"]["prompt_tokens_details"]["cached_tokens"] < doc_tokens / 3
+    usage = got_2["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    share = _doc_share_cached(cached, usage["prompt_tokens"], doc_tokens)
+    print(f"\n{label}, 2nd question: {cached}/{usage['prompt_tokens']} prompt tokens cached; "
+          f"document tokens cached >= {share:.0%}")
+    assert share >= MIN_DOC_CACHED
+    for sent, got in recorder.exchanges:
+        pairs = [(m["role"], m["content"]) for m in sent["messages"]]
+        max_tokens = sent.get("max_completion_tokens") or sent.get("max_tokens")
+        assert got["choices"][0]["message"]["content"] == _execute_same(
+            http, pairs, max_tokens, sent["spans"])
+
+
+def test_langchain_chat_openai_in_an_lcel_rag_chain(server: str, http: httpx.Client,
+                                                    tokenizer) -> None:
+    from langchain_core.callbacks import CallbackManagerForRetrieverRun
+    from langchain_core.documents import Document
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.retrievers import BaseRetriever
+    from langchain_core.runnables import RunnablePassthrough
+    from langchain_openai import ChatOpenAI
+
+    class KeywordRetriever(BaseRetriever):
+        def _get_relevant_documents(self, query: str, *,
+                                    run_manager: CallbackManagerForRetrieverRun
+                                    ) -> list[Document]:
+            return [Document(page_content=d) for d in _ranked(docs, query)]
+
+    def format_docs(docs: list[Document]) -> str:
+        return "\n\n".join(d.page_content for d in docs)
+
+    docs = _tagged("LangChain")
+    recorder = Recorder()
+    llm = ChatOpenAI(base_url=f"{server}/v1", api_key=API_KEY, model=MODEL, temperature=0,
+                     max_tokens=16, max_retries=0, http_client=recorder.client(),
+                     extra_body={"spans": docs})
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", SYSTEM), ("human", "Documents:\n{context}\n\nQuestion: {question}")])
+    chain = ({"context": KeywordRetriever() | format_docs, "question": RunnablePassthrough()}
+             | prompt | llm | StrOutputParser())
+    answers = [chain.invoke(QUESTION_1), chain.invoke(QUESTION_2)]
+    assert all(answers)
+    _check_reuse(recorder, http, docs, tokenizer, "LangChain ChatOpenAI")
+
+
+def test_llamaindex_openai_like_in_a_retriever_query_engine(server: str, http: httpx.Client,
+                                                            tokenizer) -> None:
+    from llama_index.core.base.base_retriever import BaseRetriever
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from llama_index.llms.openai_like import OpenAILike
+
+    class KeywordRetriever(BaseRetriever):
+        def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+            return [NodeWithScore(node=TextNode(text=d), score=1.0)
+                    for d in _ranked(docs, query_bundle.query_str)]
+
+    docs = _tagged("LlamaIndex")
+    recorder = Recorder()
+    llm = OpenAILike(model=MODEL, api_base=f"{server}/v1", api_key=API_KEY,
+                     is_chat_model=True, context_window=4096, temperature=0, max_tokens=16,
+                     max_retries=0, http_client=recorder.client(),
+                     additional_kwargs={"extra_body": {"spans": docs}})
+    engine = RetrieverQueryEngine.from_args(KeywordRetriever(), llm=llm)
+    answers = [str(engine.query(QUESTION_1)), str(engine.query(QUESTION_2))]
+    assert all(answers)
+    _check_reuse(recorder, http, docs, tokenizer, "LlamaIndex OpenAILike")
