@@ -73,14 +73,15 @@ class PartStream:
 
 
 class ChoiceStream:
-    """Streams every output (choice) of a one-generation answer on its own, for answers that
-    keep their ``n`` outputs apart (OpenAI's ``choices``, spnl's ``index``).
+    """Streams every output of an answer on its own, as OpenAI's ``choices`` (and spnl's
+    ``index``) keep them apart, instead of joining them into one text.
 
     Fed like a :class:`PartStream` (by :class:`~span_workflows.vllm_io.RequestRun`), it
-    calls ``emit(index, delta)`` with each non-empty delta of output ``index`` and records
-    each output's vLLM ``finish_reason`` (``"stop"``, ``"length"``, ...) in
-    :attr:`finish_reasons`. Only part 0 (the answer of a single G) is read. ``emit`` may be
-    ``None`` to only record finish reasons."""
+    calls ``emit(index, delta)`` with each non-empty delta of choice ``index`` = part +
+    output index: the ``n`` outputs of a single G (part 0), or the parts of a map or repeat
+    (one output each). It records each choice's vLLM ``finish_reason`` (``"stop"``,
+    ``"length"``, ...) in :attr:`finish_reasons`. ``emit`` may be ``None`` to only record
+    them."""
 
     def __init__(self, emit: Callable[[int, str], None] | None = None) -> None:
         self._emit = emit
@@ -88,18 +89,17 @@ class ChoiceStream:
         self.finish_reasons: dict[int, str] = {}
 
     def update(self, part: int, text: str) -> None:
-        """Output 0's text so far (cumulative)."""
-        self._update(part, 0, text)
+        """Part ``part``'s first output so far (cumulative)."""
+        self._update(part, text)
 
     def update_output(self, part: int, output: Any) -> None:
-        """A vLLM ``CompletionOutput`` so far (cumulative text)."""
-        self._update(part, int(output.index), output.text)
-        if part == 0 and getattr(output, "finish_reason", None):
-            self.finish_reasons[int(output.index)] = str(output.finish_reason)
+        """Part ``part``'s vLLM ``CompletionOutput`` so far (cumulative text)."""
+        index = part + int(output.index)
+        self._update(index, output.text)
+        if getattr(output, "finish_reason", None):
+            self.finish_reasons[index] = str(output.finish_reason)
 
-    def _update(self, part: int, index: int, text: str) -> None:
-        if part != 0:
-            return
+    def _update(self, index: int, text: str) -> None:
         seen = self._seen.get(index, 0)
         if len(text) > seen:
             self._seen[index] = len(text)

@@ -16,7 +16,6 @@ meaningful on a shared, noisy machine even when absolute times are not.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -190,32 +189,13 @@ def bench_compile(engine: Any, docs_counts: Sequence[int], doc_tokens: int,
     return rows
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def run_bench(name: str, argv: Sequence[str]) -> int:
     """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table."""
-    parser = argparse.ArgumentParser(prog=f"span-workflows bench {name}")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--docs", type=_ints, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--doc-tokens", type=int, default=440)
-    parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256])
-    parser.add_argument("--model", help="local HF model directory")
-    parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800])
-    parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--positions", type=lambda t: [p for p in t.split(",") if p],
-                        default=["start", "middle", "end"])
-    parser.add_argument("--no-crop", action="store_true",
-                        help="locality: run with cropping off only (default: on and off)")
-    parser.add_argument("--markdown", type=Path, help="locality: write the table here")
-    parser.add_argument("--copy-tokens", type=int, default=8,
-                        help="locality: tokens each inner generation copies (0: all)")
+    from span_workflows.apps.bench_options import BENCHMARKS, bench_parser
+
+    parser = bench_parser(name)
     args = parser.parse_args(list(argv))
-    if name not in ("rag", "nested", "reposition", "compile", "locality"):
+    if name not in BENCHMARKS:
         from span_workflows.errors import SpanQueryError
 
         raise SpanQueryError("bench", f"unknown benchmark {name!r} "

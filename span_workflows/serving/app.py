@@ -31,7 +31,9 @@ from span_vllm import contract
 from span_workflows.errors import SpanQueryError
 from span_workflows.serving import wire
 from span_workflows.serving.chat_route import install_chat_route
+from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
 from span_workflows.serving.service import SpanQueryService
+from span_workflows.serving.spnl_route import openai_form_response, url_options
 from span_workflows.streaming import PartStream
 
 DEFAULT_HOST = "127.0.0.1"
@@ -52,11 +54,18 @@ def make_router(max_body: int = wire.MAX_BODY_BYTES) -> Any:
 
     router = APIRouter()
 
+    @router.get(SCHEMA_PATH)
+    async def schema() -> Any:
+        return JSONResponse(query_schema())
+
     @router.post(wire.EXECUTE_PATH)
     async def execute(request: HttpRequest) -> Any:
         service: SpanQueryService = request.app.state.span_service
         try:
             query = wire.parse_body(await _read_body(request, max_body))
+            query, openai_form = url_options(request, query)  # spnl's form
+            if openai_form:
+                return await openai_form_response(request, query)
             if not query.stream:
                 result = await service.execute(
                     query.node, optimize_query=query.optimize, span_options=query.span_options,

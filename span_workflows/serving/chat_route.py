@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -118,13 +118,13 @@ async def span_chat_response(request: HttpRequest, body: bytes) -> Any:
             result = await service.execute(chat.node, stream=choices,  # type: ignore[arg-type]
                                            cache_salt=chat.cache_salt, sampling=chat.sampling)
         except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
-            return _engine_error(exc)
+            return engine_error(exc)
         return JSONResponse(chat_wire.completion_body(result, finish_reasons=choices.finish_reasons,
                                                       **ids))
     return await _stream(service, chat, ids)
 
 
-def _engine_error(exc: BaseException) -> Any:
+def engine_error(exc: BaseException) -> Any:
     """A 400 for an error the planner or vLLM reports about the request; else re-raised."""
     if isinstance(exc, SpanQueryError):
         return _json_error(chat_wire.query_error_body(exc))
@@ -139,8 +139,41 @@ def _engine_error(exc: BaseException) -> Any:
 
 async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
                   ids: dict[str, Any]) -> Any:
-    """Start the query; answer a chunk stream once its first token came (so a request that
-    fails before it still gets a plain error answer)."""
+    """The chunk stream of a span chat request."""
+    started: set[int] = set()
+
+    def delta(index: int, text: str) -> list[dict[str, Any]]:
+        first = index not in started
+        started.add(index)
+        return [chat_wire.chunk_body(choices=[chat_wire.delta_choice(index, text, first=first)],
+                                     **ids)]
+
+    def done(result: Any, reasons: dict[int, str]) -> list[dict[str, Any]]:
+        ends = [chat_wire.delta_choice(i, "", first=i not in started,
+                                       finish_reason=reasons.get(i, "stop"))
+                for i in range(len(result.texts))]
+        last = [chat_wire.chunk_body(choices=ends, **ids)]
+        if chat.include_usage:
+            last.append(chat_wire.usage_chunk_body(result, **ids))
+        return last
+
+    return await stream_choices(service, chat.node, delta, done, cache_salt=chat.cache_salt,
+                                sampling=chat.sampling)
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def stream_choices(service: SpanQueryService, node: Any,
+                         on_delta: Callable[[int, str], list[dict[str, Any]]],
+                         on_done: Callable[[Any, dict[str, int]], list[dict[str, Any]]],
+                         **execute: Any) -> Any:
+    """Run ``node`` on ``service`` (``execute``: its keyword options) and answer an SSE
+    stream of OpenAI-style chunks: ``on_delta(index, text)`` gives the chunks of each piece
+    of choice ``index``, ``on_done(result, finish_reasons)`` the last ones; ``data: [DONE]``
+    ends it. The answer starts once the first piece came, so a request that fails before it
+    still gets a plain error answer."""
     from fastapi.responses import StreamingResponse
 
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -148,8 +181,8 @@ async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
 
     async def work() -> None:
         try:
-            result = await service.execute(chat.node, stream=choices,  # type: ignore[arg-type]
-                                           cache_salt=chat.cache_salt, sampling=chat.sampling)
+            result = await service.execute(node, stream=choices,  # type: ignore[arg-type]
+                                           **execute)
             queue.put_nowait(("done", result))
         except BaseException as exc:  # handed to the response, which reports it
             queue.put_nowait(("error", exc))
@@ -164,35 +197,22 @@ async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
         raise
     if kind == "error":
         await asyncio.gather(task, return_exceptions=True)
-        return _engine_error(value)
-
-    def event(data: dict[str, Any]) -> bytes:
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+        return engine_error(value)
 
     async def events(kind: str, value: Any) -> AsyncIterator[bytes]:
-        started: set[int] = set()
         try:
             while True:
                 if kind == "delta":
-                    index, delta = value
-                    yield event(chat_wire.chunk_body(choices=[chat_wire.delta_choice(
-                        index, delta, first=index not in started)], **ids))
-                    started.add(index)
+                    for chunk in on_delta(*value):
+                        yield _event(chunk)
                 elif kind == "done":
-                    result = value
-                    ends = [chat_wire.delta_choice(
-                        i, "", first=i not in started,
-                        finish_reason=choices.finish_reasons.get(i, "stop"))
-                        for i in range(len(result.texts))]
-                    yield event(chat_wire.chunk_body(choices=ends, **ids))
-                    if chat.include_usage:
-                        yield event(chat_wire.usage_chunk_body(result, **ids))
+                    for chunk in on_done(value, choices.finish_reasons):
+                        yield _event(chunk)
                     yield b"data: [DONE]\n\n"
                     return
                 else:
-                    err = chat_wire.error_body(str(value) or type(value).__name__,
-                                               status=500, kind="InternalServerError")
-                    yield event(err)
+                    yield _event(chat_wire.error_body(str(value) or type(value).__name__,
+                                                      status=500, kind="InternalServerError"))
                     yield b"data: [DONE]\n\n"
                     return
                 kind, value = await queue.get()
@@ -217,4 +237,5 @@ def install_chat_route(app: Any) -> bool:
     return False
 
 
-__all__ = ["SpanChatRoute", "install_chat_route", "span_chat_response"]
+__all__ = ["SpanChatRoute", "engine_error", "install_chat_route", "span_chat_response",
+           "stream_choices"]

@@ -347,3 +347,159 @@ def test_llamaindex_openai_like_in_a_retriever_query_engine(server: str, http: h
     answers = [str(engine.query(QUESTION_1)), str(engine.query(QUESTION_2))]
     assert all(answers)
     _check_reuse(recorder, http, docs, tokenizer, "LlamaIndex OpenAILike")
+
+
+# -- spnl's own client -----------------------------------------------------------------------
+# What spnl's client (spnl/src/generate/backend/spnl.rs) sends: the query's JSON as a
+# text/plain body to /v1/query/execute?stream=true|false (false when max_tokens is 1), a
+# repeat or a map. What it parses: plain, a chat.completion (repeat) or a text_completion
+# (map) with one choice per output; streamed, each `data: ` event as a whole JSON chunk whose
+# choices carry `index` (chat.completion.chunk deltas for a repeat, text_completion texts for a
+# map).
+
+SPNL_MAP = {"map": {"metadata": {"model": "spnl/ibm-granite/granite-3.3-2b-instruct",
+                                 "max_tokens": 6, "temperature": 0.0},
+                    "inputs": ["Name a colour.", "Name a fruit.", "Name an animal."]}}
+SPNL_REPEAT = {"repeat": {"n": 2, "g": {"model": "spnl/ibm-granite/granite-3.3-2b-instruct",
+                                        "input": [{"system": "Be brief."},
+                                                  {"user": "Name a city."}],
+                                        "max_tokens": 6, "temperature": 0.0}}}
+
+
+def _spnl_post(http: httpx.Client, query: dict, stream: bool) -> httpx.Response:
+    return http.post(f"/v1/query/execute?stream={'true' if stream else 'false'}",
+                     content=json.dumps(query), headers={"Content-Type": "text/plain"})
+
+
+def _check_choice(choice: dict, is_map: bool) -> str:
+    assert isinstance(choice["index"], int)
+    assert choice.get("finish_reason") in (None, "stop", "length")
+    if is_map:
+        assert isinstance(choice["text"], str)
+        return choice["text"]
+    if "message" in choice:
+        assert choice["message"]["role"] == "assistant"
+        return choice["message"]["content"]
+    return choice["delta"].get("content") or ""
+
+
+def _spnl_parse(body: dict, is_map: bool) -> list[str]:
+    """What spnl's client reads from a plain answer (the required fields of async-openai's
+    CreateCompletionResponse / CreateChatCompletionResponse)."""
+    assert body["object"] == ("text_completion" if is_map else "chat.completion")
+    assert isinstance(body["id"], str) and isinstance(body["created"], int)
+    assert isinstance(body["model"], str)
+    return [_check_choice(c, is_map) for c in body["choices"]]
+
+
+def _spnl_stream(response: httpx.Response, n: int, is_map: bool) -> list[str]:
+    """What spnl's client assembles from a stream: each `data: ` event parsed as one chunk,
+    its choices' texts appended by `index` (events that are not chunks are skipped)."""
+    texts = [""] * n
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        try:
+            chunk = json.loads(line[len("data: "):])
+        except ValueError:
+            continue  # "[DONE]", which spnl's parser also fails to read and skips
+        assert chunk["object"] == ("text_completion" if is_map else "chat.completion.chunk")
+        assert isinstance(chunk["id"], str) and isinstance(chunk["created"], int)
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += _check_choice(choice, is_map)
+    return texts
+
+
+@pytest.mark.parametrize(("query", "n", "is_map"), [(SPNL_MAP, 3, True),
+                                                    (SPNL_REPEAT, 2, False)])
+def test_spnl_client_request_form(http: httpx.Client, query: dict, n: int,
+                                  is_map: bool) -> None:
+    plain = _spnl_post(http, query, stream=False)
+    assert plain.status_code == 200, plain.text
+    texts = _spnl_parse(plain.json(), is_map)
+    assert len(texts) == n and all(texts)
+    with http.stream("POST", "/v1/query/execute?stream=true", content=json.dumps(query),
+                     headers={"Content-Type": "text/plain"}) as streamed:
+        assert streamed.status_code == 200
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        assert _spnl_stream(streamed, n, is_map) == texts
+    if is_map:  # choice i answers input i (the optimizer reorders the map's generations)
+        ours = http.post("/v1/query/execute", json={"query": {"g": {
+            "input": {"user": query["map"]["inputs"][1]}, "max_tokens": 6,
+            "temperature": 0.0}}})
+        assert ours.json()["text"] == texts[1]
+    # our own JSON form is unchanged, and ?format= switches either way
+    own = http.post("/v1/query/execute?stream=false", json=query)
+    assert own.status_code == 200 and "metrics" in own.json()
+    switched = http.post("/v1/query/execute?format=openai", json=query)
+    assert switched.json()["object"] == ("text_completion" if is_map else "chat.completion")
+    bad = http.post("/v1/query/execute?stream=maybe", content=json.dumps(query),
+                    headers={"Content-Type": "text/plain"})
+    assert bad.status_code == 400 and "stream" in bad.json()["error"]["message"]
+
+
+def test_schema_endpoint_validates_what_the_server_accepts(http: httpx.Client) -> None:
+    import jsonschema
+
+    answer = http.get("/v1/query/schema")
+    assert answer.status_code == 200
+    validator = jsonschema.Draft202012Validator(answer.json())
+    assert validator.is_valid(SPNL_MAP) and validator.is_valid(SPNL_REPEAT)
+    assert not validator.is_valid({"plux": []})
+
+
+# -- token streaming through this project's own classes --------------------------------------
+
+
+def _timed(pieces: object) -> tuple[list[str], float, float]:
+    """Read an iterator of text pieces; (pieces, time to the first, time to the last)."""
+    started = time.perf_counter()
+    texts, stamps = [], []
+    for piece in pieces:  # type: ignore[attr-defined]
+        if piece:
+            texts.append(piece)
+            stamps.append(time.perf_counter() - started)
+    return texts, stamps[0], stamps[-1]
+
+
+def test_framework_classes_stream_token_by_token_from_the_server(server: str) -> None:
+    from langchain_core.callbacks import BaseCallbackHandler
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    from langchain_span_workflows import SpanChatModel
+    from llama_index.llms.span_workflows import SpanLLM
+    from span_workflows.builders import rag
+    from span_workflows.serving.client import SpanServer
+
+    query = rag(SYSTEM, DOCS, QUESTION_1, max_tokens=24, temperature=0.0)
+    figures = {}
+    with SpanServer(server, api_key=API_KEY) as backend:
+        whole = backend.execute(query).text
+        with backend.stream(query) as stream:
+            pieces, first, last = _timed(stream)
+        assert "".join(pieces) == whole and stream.result is not None
+        figures["SpanServer.stream"] = (len(pieces), first, last)
+
+    class Tokens(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        def on_llm_new_token(self, token: str, **kwargs: object) -> None:
+            self.tokens.append(token)
+
+    tokens = Tokens()
+    chat = SpanChatModel(server_url=server, api_key=API_KEY, max_tokens=24, temperature=0.0,
+                         callbacks=[tokens])
+    messages = [SystemMessage(SYSTEM), HumanMessage("Say something about lighthouses.")]
+    pieces, first, last = _timed(c.content for c in chat.stream(messages))
+    assert "".join(tokens.tokens) == "".join(pieces)
+    assert len(tokens.tokens) >= 5  # on_llm_new_token per token, not once per answer
+    figures["SpanChatModel.stream"] = (len(pieces), first, last)
+
+    llm = SpanLLM(server_url=server, api_key=API_KEY, max_tokens=24)
+    pieces, first, last = _timed(r.delta for r in llm.stream_complete("Say hello."))
+    figures["SpanLLM.stream_complete"] = (len(pieces), first, last)
+    print()
+    for name, (count, first, last) in figures.items():
+        print(f"{name}: {count} chunks, first after {first:.3f} s, last after {last:.3f} s")
+        assert count >= 5 and first < last / 2, name
