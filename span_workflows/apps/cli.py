@@ -68,13 +68,15 @@ def quiet_logs() -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true",
-                        help="show vLLM's log lines and library warnings (hidden otherwise)")
+    verbose = "show vLLM's log lines and library warnings (hidden otherwise)"
     parser = argparse.ArgumentParser(
         prog="span-workflows", description="Span queries on vLLM: build, compile, run, serve.",
-        parents=[common],
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    # Also after the command; SUPPRESS keeps a -v given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help=verbose)
     sub = parser.add_subparsers(dest="command")
 
     demo = sub.add_parser("demo", help="RAG over the Python stdlib docs, span vs stock",

@@ -53,7 +53,7 @@ MIN_DOC_CACHED = 0.8
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("openai") / "server.log"
-    proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=400,
+    proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=900,
                                      log_path=log, max_model_len=4096)
     try:
         yield url
