@@ -8,6 +8,11 @@ FastAPI app and engine client (``AsyncLLM``, engine core in its own process, whe
 * ``POST /v1/query/execute`` — span queries, plain or streamed (the protocol:
   :mod:`span_workflows.serving.wire`), executed by a
   :class:`~span_workflows.serving.service.SpanQueryService`;
+* spnl's request form on the same path (``text/plain``, ``?stream=``, ``?format=``), answered
+  in OpenAI shapes (:mod:`span_workflows.serving.spnl_route`), and ``GET /v1/query/schema``
+  (:mod:`span_workflows.serving.query_schema`);
+* ``spans`` on vLLM's ``POST /v1/chat/completions`` (:mod:`span_workflows.serving.chat_route`):
+  a body with them is a span query, any other body goes to vLLM unchanged;
 * the span counters on ``/metrics`` (``span_<name>_total``, names and help in
   :data:`span_vllm.contract.STAT_HELP`), fetched from the engine core when ``/metrics`` is
   scraped.
