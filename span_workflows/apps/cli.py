@@ -62,6 +62,7 @@ def quiet_logs() -> None:
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ warnings
     warnings.filterwarnings("ignore")
     for name in ("vllm", "transformers", "torch"):
         logging.getLogger(name).setLevel(logging.ERROR)
@@ -208,10 +209,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         check_queries(queries, None if model is None or _is_default(model) else model,
                       args.block_size, span_mode=not args.stock,
                       labels=[str(p) for p in args.files])
+        from span_workflows.apps.progress import engine_loading
         from span_workflows.engine import Engine
 
-        with Engine(None if model is None or _is_default(model) else model,
-                    block_size=args.block_size, progress=True) as engine:
+        with engine_loading():
+            engine = Engine(None if model is None or _is_default(model) else model,
+                            block_size=args.block_size, progress=True,
+                            load_progress=args.verbose)
+        with engine:
             results = []
             for q in queries:  # in order: later queries see what earlier ones cached
                 results.append(engine.stock(q) if args.stock else engine.execute(q))
