@@ -172,6 +172,7 @@ class Planner:
             prepare_requests=sum(p.metrics.prepare_requests for p in parts),
             latency_s=time.perf_counter() - started,
             link_requests=sum(p.metrics.link_requests for p in parts),
+            prepared_tokens=sum(p.metrics.prepared_tokens for p in parts),
         )
         return Result(PART_SEPARATOR.join(p.text for p in parts), metrics,
                       [t for p in parts for t in p.texts], parts=parts)
@@ -209,7 +210,7 @@ class Planner:
             )
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
         expected = _expected_hits(tq) if span_mode else 0
-        prepared = relinked = 0
+        prepared = relinked = prepared_tokens = 0
         for attempt in range(MAX_ATTEMPTS):
             if span_mode and tq.prepare_stages:
                 everything = tq.prepare
@@ -222,15 +223,17 @@ class Planner:
                 for stage in tq.prepare_stages:
                     prepares = missing(stage, [_key(p) in hit for p in stage])
                     if prepares:
-                        yield [Request.prepare(p, salt) for p in prepares]
+                        outs = yield [Request.prepare(p, salt) for p in prepares]
                         prepared += len(prepares)
+                        prepared_tokens += _computed(outs)
             if span_mode and tq.links:
                 linked = yield Probe(tq.links, [salt] * len(tq.links))
                 # Each link request reads the links before it: one at a time, in order.
                 for link, cached in zip(tq.links, linked, strict=True):
                     if not cached or attempt:
-                        yield [Request.prepare(link, salt)]
+                        outs = yield [Request.prepare(link, salt)]
                         relinked += 1
+                        prepared_tokens += _computed(outs)
             last = attempt == MAX_ATTEMPTS - 1
             [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
                                    None if inline else settings.logprobs,
@@ -246,12 +249,18 @@ class Planner:
             latency_s=out.finished - started,
             final_ttft_s=out.first_token - out.submitted,
             link_requests=relinked,
+            prepared_tokens=prepared_tokens,
         )
         return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
                       first_logprobs=out.first_logprobs, nested=nested_results)
 
 
 MAX_ATTEMPTS = 3
+
+
+def _computed(outputs: Sequence[Output]) -> int:
+    """Prompt tokens that ``outputs``' requests computed (did not read from the cache)."""
+    return sum(max(0, o.prompt_tokens - o.cached_tokens) for o in outputs)
 
 
 def _expected_hits(tq: TokenizedQuery) -> int:

@@ -26,6 +26,15 @@ class Metrics:
     #: link requests run (``SpanOptions.link_blocks``): each recomputes the first blocks of
     #: one span after everything before it; a new order of cached spans needs new links
     link_requests: int = 0
+    #: prompt tokens computed by this query's own prepare requests (part of
+    #: ``cached_tokens`` when the final request reads them back)
+    prepared_tokens: int = 0
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens of the final generations that were in the cache before the query
+        started: ``cached_tokens`` less what the query's prepare requests computed."""
+        return max(0, self.cached_tokens - self.prepared_tokens)
 
     def to_dict(self) -> dict[str, float | int]:
         """Every metric under its field name, JSON-ready (the CLI's and the wire's form)."""

@@ -19,7 +19,6 @@ meaningful on a shared, noisy machine even when absolute times are not.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -198,43 +197,11 @@ def bench_hashing(token_counts: Sequence[int] = (1024, 32768, 131072), block_siz
     return rows
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-#: The benchmarks ``span-workflows bench NAME`` runs.
-BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality")
-
-
 def run_bench(name: str, argv: Sequence[str]) -> int:
     """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table."""
-    parser = argparse.ArgumentParser(prog=f"span-workflows bench {name}")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--docs", type=_ints, default=None,
-                        help="document counts (rag, compile: 1,2,4,8,16; quality: 4,8)")
-    parser.add_argument("--doc-tokens", type=int, default=440)
-    parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256])
-    parser.add_argument("--model", help="local HF model directory")
-    parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800])
-    parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--positions", type=lambda t: [p for p in t.split(",") if p],
-                        default=["start", "middle", "end"])
-    parser.add_argument("--no-crop", action="store_true",
-                        help="locality: run with cropping off only (default: on and off)")
-    parser.add_argument("--markdown", type=Path,
-                        help="locality, quality: write the table here (Markdown)")
-    parser.add_argument("--variants", type=lambda t: [v for v in t.split(",") if v],
-                        help="quality: the variants to compare (stock is always run)")
-    parser.add_argument("--questions", type=int, default=200,
-                        help="quality: questions per document count")
-    parser.add_argument("--seed", type=int, default=0, help="quality: question-set seed")
-    parser.add_argument("--answers", type=Path,
-                        help="quality: keep answers here and resume from them")
-    parser.add_argument("--copy-tokens", type=int, default=8,
-                        help="locality: tokens each inner generation copies (0: all)")
+    from span_workflows.apps.bench_options import BENCHMARKS, bench_parser
+
+    parser = bench_parser(name)
     args = parser.parse_args(list(argv))
     if name not in BENCHMARKS:
         from span_workflows.errors import SpanQueryError
