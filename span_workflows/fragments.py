@@ -130,14 +130,18 @@ def _snapshot() -> list[tuple[str, str]]:
         return list(_registry.items())
 
 
-def find_fragments(text: str) -> list[tuple[int, int, str]]:
-    """Non-overlapping occurrences of registered fragments in ``text``: ``(start, end, id)``.
+def find_fragments(text: str, fragments: Sequence[str] | None = None
+                   ) -> list[tuple[int, int, str]]:
+    """Non-overlapping occurrences of fragments in ``text``: ``(start, end, id)``.
 
-    An occurrence counts only on word boundaries (no letter or digit right before or after it).
-    Where occurrences overlap, the earlier one wins, and at the same start the longer one.
+    ``fragments``: the texts to look for (default: the registered fragments). An occurrence
+    counts only on word boundaries (no letter or digit right before or after it). Where
+    occurrences overlap, the earlier one wins, and at the same start the longer one.
     """
     found: list[tuple[int, int, str]] = []
-    for sid, frag in _snapshot():
+    candidates = (_snapshot() if fragments is None
+                  else [(span_id(f), f) for f in dict.fromkeys(fragments) if f])
+    for sid, frag in candidates:
         at = text.find(frag)
         while at >= 0:
             end = at + len(frag)
@@ -173,13 +177,14 @@ class Run:
 Piece = str | Run
 
 
-def lift(text: str) -> list[Piece]:
+def lift(text: str, fragments: Sequence[str] | None = None) -> list[Piece]:
     """Split a prompt text into ordered text (``str``) and fragment runs (:class:`Run`).
 
-    Text next to a run is stripped of surrounding whitespace; pieces that are then empty are
-    left out. A text without registered fragments comes back as ``[text]``.
+    ``fragments``: the texts that commute (default: the registered fragments). Text next to a
+    run is stripped of surrounding whitespace; pieces that are then empty are left out. A text
+    without fragments comes back as ``[text]``.
     """
-    occurrences = find_fragments(text)
+    occurrences = find_fragments(text, fragments)
     if not occurrences:
         return [text]
     pieces: list[Piece] = []
@@ -221,10 +226,11 @@ def lift_messages(
     model: str | None = None,
     n: int = 1,
     sampling: Sampling | None = None,
+    fragments: Sequence[str] | None = None,
 ) -> Generate:
     """A generation over chat ``messages`` (``(role, text)``; role system, user, assistant or
-    tool), with the registered fragments inside system and user messages lifted into plus
-    spans.
+    tool), with the fragments inside system and user messages lifted into plus spans
+    (``fragments``: the texts that commute; default: the registered fragments).
 
     A message ``before <docs> after`` becomes ``role(before), +(F, F, ...), role(after)`` in the
     ordered join; assistant messages stay whole (they are outputs, not retrieved text). Tool
@@ -245,7 +251,7 @@ def lift_messages(
         cls = ROLE_MESSAGES.get(role)
         if cls is None:
             raise ValueError(f"unknown role {role!r}; expected system, user, assistant or tool")
-        pieces = lift(text) if role != "assistant" else [text]
+        pieces = lift(text, fragments) if role != "assistant" else [text]
         for piece in pieces:
             if isinstance(piece, Run):
                 parts.append(Plus(tuple(Fragment(t) for t in piece.texts)))

@@ -75,6 +75,21 @@ SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(Sampling))
 #: checked exactly while converting.
 MAX_JSON_NESTING = 4 * MAX_DEPTH + 8
 
+#: The node kinds the parser reads: the one key of a node object (a bare list is a seq).
+NODE_KINDS = (*ROLE_MESSAGES, "fragment", "plus", "cross", "seq", "g", "repeat", "map", "chat",
+              "retrieve", "prepare")
+#: The fields each node body accepts, by kind (``map.metadata``: the map's metadata object).
+#: The parser reads exactly these; ``GET /v1/query/schema`` is generated from them.
+NODE_FIELDS: dict[str, tuple[str, ...]] = {
+    "fragment": ("text", "source"),
+    "g": ("model", "input", "max_tokens", "temperature", "n", "inline_prompt", *SAMPLING_FIELDS),
+    "repeat": ("n", "g", "query", "generate"),
+    "map": ("metadata", "inputs"),
+    "map.metadata": ("model", "max_tokens", "temperature"),
+    "chat": ("model", "messages", "max_tokens", "temperature"),
+    "retrieve": ("query", "fragments"),
+}
+
 #: spnl nodes this project does not implement (named in the error, to tell them from typos).
 _SPNL_UNSUPPORTED = frozenset({"par", "monad", "zip", "augment", "print", "ask", "file", "bulk"})
 
@@ -525,7 +540,7 @@ def _model(body: dict, what: str, path: str) -> str | None:
 def _fragment(body: object, path: str) -> Fragment:
     if isinstance(body, str):
         return Fragment(body)
-    body = _fields(body, "fragment", path, ("text", "source"))
+    body = _fields(body, "fragment", path, NODE_FIELDS["fragment"])
     if "text" not in body:
         raise SpanQueryError(path, "fragment is missing 'text'")
     return Fragment(
@@ -534,8 +549,7 @@ def _fragment(body: object, path: str) -> Fragment:
     )
 
 
-_G_FIELDS = ("model", "input", "max_tokens", "temperature", "n", "inline_prompt",
-             *SAMPLING_FIELDS)
+_G_FIELDS = NODE_FIELDS["g"]
 
 
 def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
@@ -563,7 +577,7 @@ def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
 
 
 def _repeat_frame(body: object, path: str, depth: int) -> _Frame:
-    body = _fields(body, "repeat", path, ("n", "g", "query", "generate"))
+    body = _fields(body, "repeat", path, NODE_FIELDS["repeat"])
     spellings = [k for k in ("g", "query", "generate") if k in body]
     if len(spellings) != 1:
         raise SpanQueryError(path, "repeat needs exactly one of 'g', 'query' or 'generate'")
@@ -591,9 +605,8 @@ def _repeat_frame(body: object, path: str, depth: int) -> _Frame:
 
 
 def _map(body: object, path: str) -> Map:
-    body = _fields(body, "map", path, ("metadata", "inputs"))
-    meta = _fields(body.get("metadata", {}), "map metadata", path,
-                   ("model", "max_tokens", "temperature"))
+    body = _fields(body, "map", path, NODE_FIELDS["map"])
+    meta = _fields(body.get("metadata", {}), "map metadata", path, NODE_FIELDS["map.metadata"])
     if "inputs" not in body:
         raise SpanQueryError(path, "map is missing 'inputs'")
     inputs = _list(body["inputs"], "map inputs", path)
@@ -609,7 +622,7 @@ def _map(body: object, path: str) -> Map:
 
 
 def _chat_frame(body: object, path: str, depth: int) -> _Frame:
-    body = _fields(body, "chat", path, ("model", "messages", "max_tokens", "temperature"))
+    body = _fields(body, "chat", path, NODE_FIELDS["chat"])
     if "messages" not in body:
         raise SpanQueryError(path, "chat is missing 'messages'")
     messages = _list(body["messages"], "chat messages", path)
@@ -624,7 +637,7 @@ def _chat_frame(body: object, path: str, depth: int) -> _Frame:
 
 
 def _retrieve_frame(body: object, path: str, depth: int) -> _Frame:
-    body = _fields(body, "retrieve", path, ("query", "fragments"))
+    body = _fields(body, "retrieve", path, NODE_FIELDS["retrieve"])
     query = _string(body.get("query"), "retrieve query", path)
     if "fragments" not in body:
         raise SpanQueryError(path, "retrieve is missing 'fragments'")
@@ -636,4 +649,5 @@ def _retrieve_frame(body: object, path: str, depth: int) -> _Frame:
     )
 
 
-__all__ = ["MAX_JSON_NESTING", "dump_json", "from_json", "parse_json", "to_json", "to_obj"]
+__all__ = ["MAX_JSON_NESTING", "NODE_FIELDS", "NODE_KINDS", "dump_json", "from_json",
+           "parse_json", "to_json", "to_obj"]

@@ -180,6 +180,8 @@ class Planner:
             generated_tokens=sum(p.metrics.generated_tokens for p in parts),
             prepare_requests=sum(p.metrics.prepare_requests for p in parts),
             latency_s=time.perf_counter() - started,
+            link_requests=sum(p.metrics.link_requests for p in parts),
+            prepared_tokens=sum(p.metrics.prepared_tokens for p in parts),
         )
         return Result(PART_SEPARATOR.join(p.text for p in parts), metrics,
                       [t for p in parts for t in p.texts], parts=parts)
@@ -217,7 +219,7 @@ class Planner:
             )
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
         expected = _expected_hits(tq) if span_mode else 0
-        prepared = 0
+        prepared = relinked = prepared_tokens = 0
         for attempt in range(MAX_ATTEMPTS):
             if span_mode and tq.prepare_stages:
                 everything = tq.prepare
@@ -230,15 +232,17 @@ class Planner:
                 for stage in tq.prepare_stages:
                     prepares = missing(stage, [_key(p) in hit for p in stage])
                     if prepares:
-                        yield [Request.prepare(p, salt) for p in prepares]
+                        outs = yield [Request.prepare(p, salt) for p in prepares]
                         prepared += len(prepares)
+                        prepared_tokens += _computed(outs)
             if span_mode and tq.links:
                 linked = yield Probe(tq.links, [salt] * len(tq.links))
                 # Each link request reads the links before it: one at a time, in order.
                 for link, cached in zip(tq.links, linked, strict=True):
                     if not cached or attempt:
-                        yield [Request.prepare(link, salt)]
-                        prepared += 1
+                        outs = yield [Request.prepare(link, salt)]
+                        relinked += 1
+                        prepared_tokens += _computed(outs)
             last = attempt == MAX_ATTEMPTS - 1
             logprobs = g.sampling.logprobs if settings.logprobs is None else settings.logprobs
             [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
@@ -254,6 +258,8 @@ class Planner:
             prepare_requests=prepared,
             latency_s=out.finished - started,
             final_ttft_s=out.first_token - out.submitted,
+            link_requests=relinked,
+            prepared_tokens=prepared_tokens,
         )
         finish = out.finish_reasons[0] if out.finish_reasons else "stop"
         text, calls = out.texts[0], []
@@ -268,6 +274,11 @@ class Planner:
 
 
 MAX_ATTEMPTS = 3
+
+
+def _computed(outputs: Sequence[Output]) -> int:
+    """Prompt tokens that ``outputs``' requests computed (did not read from the cache)."""
+    return sum(max(0, o.prompt_tokens - o.cached_tokens) for o in outputs)
 
 
 def _expected_hits(tq: TokenizedQuery) -> int:

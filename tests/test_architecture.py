@@ -33,8 +33,10 @@ PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
 #: (without circles) or from a lower one. ``span_workflows.apps`` stands above them all.
 LAYERS: dict[str, tuple[str, ...]] = {
     "front": ("span_workflows", "runner", "backend", "engine", "serving", "serving.client",
-              "serving.app", "serving.service", "serving.launch"),
-    "boundary": ("vllm_io", "serving.wire", "streaming"),
+              "serving.app", "serving.service", "serving.launch", "serving.chat_route",
+              "serving.spnl_route"),
+    "boundary": ("vllm_io", "serving.wire", "streaming", "serving.chat_wire",
+                 "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments"),
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
                             "optimize", "locality", "compile", "render", "layout",
