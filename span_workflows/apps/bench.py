@@ -10,6 +10,7 @@ meaningful on a shared, noisy machine even when absolute times are not.
 * ``nested`` — judge/generator with a fan-out of n drafts: TTFT of the judge call.
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query.
+* ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench_route`).
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
   rewrite, crop on and off (:mod:`span_workflows.apps.bench_locality`).
 """
@@ -196,6 +197,10 @@ def _ints(text: str) -> list[int]:
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
     """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table."""
+    if name == "route":
+        from span_workflows.apps.bench_route import run_route
+
+        return run_route(argv)
     parser = argparse.ArgumentParser(prog=f"span-workflows bench {name}")
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here")

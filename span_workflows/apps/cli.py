@@ -92,7 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size on CPU")
     serve.set_defaults(func=_cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: rag, nested, reposition, compile, locality")
+    bench = sub.add_parser("bench", help="benchmarks: rag, nested, reposition, compile, "
+                                         "locality, route")
     bench.add_argument("name")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
