@@ -250,9 +250,13 @@ def routing_block_keys(
     def sha256_pickle(obj: Any) -> bytes:
         return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
 
+    def salt_keys(begin: int, end: int) -> Any:  # vLLM keys the first block by the salt
+        return (salt,) if salt and begin == 0 else None
+
     if not hasattr(kv_cache_utils, "NONE_HASH"):  # set by the engine; not in other processes
         kv_cache_utils.init_none_hash(sha256_pickle)
-    return hash_blocks(token_ids, block_size, sha256_pickle, segments, salt=salt)
+    return hash_blocks(token_ids, block_size, sha256_pickle, segments, salt=salt,
+                       extra_keys=salt_keys)
 
 
 def make_request_block_hasher(
