@@ -440,7 +440,12 @@ def make_ingress_app(core_factory: Any) -> Any:
         return None
 
     @app.get(wire.HEALTH_PATH)
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        """200 once a replica has answered (the ingress knows the block size), else 503."""
+        try:
+            await asyncio.wait_for(core_factory(request)._prepare(), 10)
+        except Exception:  # noqa: BLE001 - not ready yet
+            return Response(status_code=503)
         return Response(status_code=200)
 
     @app.post(wire.EXECUTE_PATH)

@@ -28,6 +28,9 @@ def cluster(tmp_path_factory):
     from span_workflows.serving.launch import free_port
 
     stub_dir = tmp_path_factory.mktemp("stub")
+    # a shared machine: Ray's memory monitor would kill workers for others' memory use
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -38,6 +41,7 @@ def cluster(tmp_path_factory):
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
+    monkeypatch.undo()
 
 
 def ask(url: str, docs: list[str], question: str = "Which?") -> httpx.Response:
