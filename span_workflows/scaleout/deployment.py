@@ -42,7 +42,10 @@ from span_workflows.serving import wire
 
 APP_NAME = "span-workflows"
 ROUTERS = ("span-affinity", "prefix-affinity", "power-of-two")
-_RAY_PREFIX_ROUTER = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+#: Ray Serve LLM's prefix router (``ray.serve.llm.request_router.PrefixCacheAffinityRouter``
+#: is this class under its public name; importing ``ray.serve.llm`` needs ``ray[llm]``)
+_RAY_PREFIX_ROUTER = ("ray.llm._internal.serve.routing_policies.prefix_aware."
+                      "prefix_aware_router:PrefixCacheAffinityRouter")
 _SPAN_ROUTER = "span_workflows.scaleout.ray_router:SpanAffinityRouter"
 
 
