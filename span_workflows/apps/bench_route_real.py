@@ -3,8 +3,9 @@
 A local Ray runs the application of :mod:`span_workflows.scaleout.deployment` once per router
 (``span-affinity``, Ray Serve LLM's ``PrefixCacheAffinityRouter``, Ray Serve's default
 power-of-two, and one replica as the single-node reference) and the same small trace is sent
-to each, two queries at a time. Each run uses its own ``cache_salt``, so no run reads what an
-earlier one cached.
+to each, two queries at a time. The replicas stay up from one router to the next (Ray
+reconfigures them; the ingress is replaced); each run uses its own ``cache_salt``, so no run
+reads what an earlier one cached, and starts with one warm-up query per replica.
 
 Measured per run: hit rate = spans read from the cache / spans (a query's documents not
 prepared again; the documents are of equal size, so this is also the share of span tokens),
@@ -34,7 +35,6 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
     from ray import serve
     from transformers import AutoTokenizer
 
-    from span_workflows.apps.bench import documents as make_documents
     from span_workflows.model import resolve_model
     from span_workflows.scaleout.deployment import APP_NAME, ClusterOptions, build_app
     from span_workflows.serving.launch import free_port
@@ -42,7 +42,7 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
     trace = make_trace(TraceOptions(requests=requests, documents=documents, k=k, zipf_s=zipf_s,
                                     doc_tokens=(doc_tokens, doc_tokens), seed=seed))
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(progress=progress)))
-    texts = make_documents(tokenizer, documents, doc_tokens)
+    texts = _documents(tokenizer, documents, doc_tokens, seed)
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
     rows = []
@@ -60,10 +60,12 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
             if progress:
                 print(f"route real: {router} up in {time.monotonic() - started:.0f} s",
                       flush=True)
+            # one query per replica first (warm-up, its own salt: nothing of it is reused)
+            warm = [type(trace[0])(tuple(range(k)), trace[0].doc_tokens)] * options.replicas
+            asyncio.run(_send(url, warm, texts, f"warmup-{router}-{seed}", options.replicas))
             answers = asyncio.run(_send(url, trace, texts, f"route-{router}-{seed}",
                                         concurrency))
             rows.append(_row(router, options.replicas, answers, k))
-            serve.delete(APP_NAME)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -72,6 +74,22 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
         row["single_node_hit_rate"] = single
         row["cluster_replicas"] = replicas
     return rows
+
+
+def _documents(tokenizer: Any, count: int, doc_tokens: int, seed: int) -> list[str]:
+    """``count`` distinct documents of ``doc_tokens`` tokens each (random words, reproducible
+    from ``seed``)."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["cache", "span", "replica", "router", "token", "block", "query", "engine", "ray",
+             "document", "position", "rotation", "prefix", "hash", "load", "queue", "model"]
+    texts = []
+    for i in range(count):
+        text = f"Document {i}. " + " ".join(rng.choice(words) for _ in range(2 * doc_tokens))
+        ids = tokenizer.encode(text, add_special_tokens=False)[:doc_tokens]
+        texts.append(tokenizer.decode(ids))
+    return texts
 
 
 def _wait_ready(url: str, timeout: float = 900) -> None:

@@ -549,7 +549,19 @@ def build_app(options: ClusterOptions) -> Any:
         replica_options["request_router_config"] = RequestRouterConfig(
             request_router_class=_RAY_PREFIX_ROUTER)
     replica = serve.deployment(SpanReplica, name="SpanReplica").options(**replica_options)
-    return _ingress_deployment().bind(replica.bind(settings), settings)
+    return _ingress_deployment().bind(replica.bind(_replica_settings(options)), settings)
+
+
+def _replica_settings(options: ClusterOptions) -> dict[str, Any]:
+    """What a replica is built from: the server's settings only, so that redeploying with
+    another router or replica count keeps the running replicas (Ray reconfigures them)."""
+    from dataclasses import replace
+
+    default = ClusterOptions()
+    return asdict(replace(options, replicas=default.replicas, router=default.router,
+                          capacity_tokens=None, imbalance_threshold=default.imbalance_threshold,
+                          max_ongoing_requests=default.max_ongoing_requests,
+                          request_timeout_s=default.request_timeout_s))
 
 
 def _ingress_deployment() -> Any:
