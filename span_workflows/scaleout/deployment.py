@@ -1,10 +1,11 @@
 """N span-engine replicas as a Ray Serve application, behind one ingress.
 
-* :class:`SpanReplica` — a Ray Serve deployment; each replica runs one span server
-  (:func:`~span_workflows.serving.launch.start_server_process`: vLLM with the span plugin, in
-  its own process group, on a free local port) with the CPUs/GPUs Ray gives the replica, and
-  forwards calls to it. Ray Serve's health check fails when that server has exited, so Ray
-  replaces the replica.
+* :class:`SpanReplica` — a Ray Serve deployment; each replica runs one span server (the
+  command and environment of ``span-workflows serve``, :mod:`span_workflows.serving.launch`:
+  vLLM with the span plugin, in its own process group, on a free local port) with the
+  CPUs/GPUs Ray gives the replica, and forwards calls to it. Ray Serve's health check fails
+  when that server has exited, so Ray replaces the replica; a watchdog process ends the server
+  if the replica's process is killed.
 * :class:`SpanIngress` — the HTTP front (FastAPI, Ray Serve's ingress): the single server's API
   (``POST /v1/query/execute`` plain and streamed, vLLM's OpenAI routes forwarded to a replica,
   ``/health``, ``/metrics`` with every replica's samples labelled ``replica``). It computes
@@ -140,21 +141,25 @@ class SpanReplica:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _start(self) -> tuple[subprocess.Popen, str]:
-        from span_workflows.serving.launch import free_port, start_server_process
+        """Start the server in its own process group, with a watchdog that ends the group if
+        this replica's process dies without stopping it (Ray kills actors with SIGKILL)."""
+        from span_workflows.serving.launch import free_port, server_command, server_env
 
         opts = self.options
-        if not opts.server_command:
+        port = free_port()
+        if opts.server_command:
+            cmd = [part.replace("{port}", str(port)) for part in opts.server_command]
+            env = dict(os.environ)
+        else:
             extra = list(opts.extra_args)
             if opts.api_key:
                 extra += ["--api-key", opts.api_key]
-            return start_server_process(opts.model, port=None, block_size=opts.block_size,
-                                        kv_cache_gib=opts.kv_cache_gib, extra_args=extra,
-                                        timeout=opts.start_timeout_s, log_path=self.log.name)
-        port = free_port()
-        cmd = [part.replace("{port}", str(port)) for part in opts.server_command]
-        env = {**os.environ, **opts.env}
+            cmd = server_command(opts.model, "127.0.0.1", port, None, opts.block_size, extra)
+            env = server_env(opts.model, opts.kv_cache_gib)
+        env.update(opts.env)
         proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        self.watchdog = _watchdog(proc.pid)
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, url, opts.start_timeout_s)
         return proc, url
@@ -227,6 +232,30 @@ class SpanReplica:
             from span_workflows.serving.launch import stop_server_process
 
             stop_server_process(proc, timeout=10)
+        watchdog = getattr(self, "watchdog", None)
+        if watchdog is not None and watchdog.poll() is None:
+            watchdog.kill()
+
+
+_WATCHDOG = """
+import os, signal, sys, time
+parent, group = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(1)
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        break
+    time.sleep(10)
+"""
+
+
+def _watchdog(group: int) -> subprocess.Popen:
+    """A process that ends process group ``group`` once this process has died."""
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(group)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _replica_name() -> str:
