@@ -27,8 +27,8 @@ def replicas(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # The machine is shared: Ray's own memory monitor would kill replicas when *other*
-    # processes fill the memory; leave that to the kernel here.
-    env = {**os.environ, "RAY_memory_monitor_refresh_ms": "0"}
+    # processes fill the memory; leave that to the kernel here (unless the caller set it).
+    env = {"RAY_memory_monitor_refresh_ms": "0", **os.environ}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "span_workflows.apps.cli", "serve", "--replicas", "2",
