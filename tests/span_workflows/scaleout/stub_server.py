@@ -1,7 +1,8 @@
 """A stand-in span server for the Ray tests: the HTTP surface of ``span-workflows serve``
 without an engine. ``POST /v1/query/execute`` answers ``{"text": "stub <pid>"}``; a body
 containing ``DIE-ONCE`` makes the first such request (over all stub processes: a marker file in
-``$STUB_DIR``) end the process before it answers, as a crashing engine would.
+``$STUB_DIR``) end the process before it answers, as a crashing engine would; with
+``"stream": true`` it answers server-sent events.
 
 Run: ``python stub_server.py PORT``.
 """
@@ -34,6 +35,10 @@ async def execute(request: Request) -> Response:
         except FileExistsError:
             pass
     query = json.loads(body)
+    if query.get("stream"):
+        events = [{"delta": "stub "}, {"delta": str(os.getpid())}, {"done": True}]
+        return Response("".join(f"data: {json.dumps(e)}\n\n" for e in events),
+                        media_type="text/event-stream")
     return JSONResponse({"text": f"stub {os.getpid()}", "texts": [], "metrics": {},
                          "echo": bool(query.get("query"))})
 

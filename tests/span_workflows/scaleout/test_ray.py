@@ -70,6 +70,17 @@ def test_queries_follow_their_spans_in_any_order(cluster) -> None:
     assert len(seen | {home}) == 2
 
 
+def test_a_streamed_query_is_passed_through(cluster) -> None:
+    body = wire.request_body(rag("Answer briefly.", DOCS[:3], "Streamed?"), stream=True)
+    with httpx.stream("POST", cluster + wire.EXECUTE_PATH, json=body, timeout=90) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith(wire.SSE_MEDIA_TYPE)
+        text = "".join(resp.iter_text())
+    assert text.startswith('data: {"delta": "stub "}') and '"done": true' in text
+    plain = ask(cluster, DOCS[:3], "plain")
+    assert resp.headers["x-span-replica"] == plain.headers["x-span-replica"]
+
+
 def test_metrics_are_labelled_by_replica(cluster) -> None:
     text = httpx.get(cluster + "/metrics", timeout=60).text
     assert text.count("# TYPE span_hit_blocks_total counter") == 1
