@@ -156,6 +156,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="sim: span cache per replica (and of the single node), in tokens")
     p.add_argument("--imbalance-threshold", type=int, default=0,
                    help="span-affinity: extra requests in flight tolerated for affinity")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="real: queries in flight at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="directory of route.json / route.md / route.png")
@@ -177,7 +179,8 @@ def run_route(argv: Sequence[str]) -> int:
 
         rows = real_rows(replicas=(args.replicas or [2])[0], requests=args.requests or 24,
                          documents=args.documents or 12, k=args.k or 3, zipf_s=args.zipf,
-                         imbalance_threshold=args.imbalance_threshold, seed=args.seed)
+                         imbalance_threshold=args.imbalance_threshold, seed=args.seed,
+                         concurrency=args.concurrency)
     print_table([{k: r[k] for k in FIELDS} for r in rows])
     if not args.no_write:
         out: Path = args.out

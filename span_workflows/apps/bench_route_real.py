@@ -3,7 +3,9 @@
 A local Ray runs the application of :mod:`span_workflows.scaleout.deployment` once per router
 (``span-affinity``, Ray Serve LLM's ``PrefixCacheAffinityRouter``, Ray Serve's default
 power-of-two, and one replica as the single-node reference) and the same small trace is sent
-to each, two queries at a time. The replicas stay up from one router to the next (Ray
+to each, ``concurrency`` queries at a time (default one: concurrent queries that miss the same
+document on one replica each prepare it, which a hit rate counted from prepares would charge
+twice). The replicas stay up from one router to the next (Ray
 reconfigures them; the ingress is replaced); each run uses its own ``cache_salt``, so no run
 reads what an earlier one cached, and starts with one warm-up query per replica.
 
@@ -29,7 +31,7 @@ REAL_ROUTERS = ("span-affinity", "prefix-affinity", "power-of-two", "single")
 def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int = 3,
               zipf_s: float = 0.9, imbalance_threshold: int = 2, seed: int = 0,
               doc_tokens: int = 96, kv_cache_gib: int = 1, num_cpus: float = 0.5,
-              concurrency: int = 2, progress: bool = True) -> list[dict[str, Any]]:
+              concurrency: int = 1, progress: bool = True) -> list[dict[str, Any]]:
     """Run the trace against every router of :data:`REAL_ROUTERS`; one row per router."""
     import ray
     from ray import serve

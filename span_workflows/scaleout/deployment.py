@@ -268,7 +268,7 @@ def _replica_name() -> str:
 
 
 def _label(text: str, name: str) -> int | None:
-    found = re.search(rf'{name}="(\d+)"', text)
+    found = re.search(rf'[{{,]{name}="(\d+)"', text)
     return int(found.group(1)) if found else None
 
 

@@ -54,6 +54,14 @@ def test_serve_replicas_reports_bad_options(capsys) -> None:
     assert "replicas must be >= 1" in capsys.readouterr().err
 
 
+def test_cache_size_is_read_from_whole_label_names() -> None:
+    from span_workflows.scaleout.deployment import _label
+
+    text = 'vllm:cache_config_info{hash_block_size="16",block_size="32",num_gpu_blocks="700"} 1'
+    assert (_label(text, "block_size"), _label(text, "num_gpu_blocks")) == (32, 700)
+    assert _label("nothing", "block_size") is None
+
+
 def test_the_config_file_builder_checks_its_args() -> None:
     with pytest.raises(ValueError, match="unknown router"):
         app_from_args({"router": "nope"})
