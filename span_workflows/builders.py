@@ -13,6 +13,7 @@ G(x(S('Be brief.'), +(F('doc A'), F('doc B')), U('Which is older?')), max_tokens
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
@@ -32,6 +33,7 @@ from span_workflows.ir import (
     System,
     User,
 )
+from span_workflows.sampling import Sampling
 from span_workflows.validate import validate
 
 #: What builders accept where a node is expected: a node, or a str meaning a user message.
@@ -65,17 +67,22 @@ def g(
     temperature: float = DEFAULT_TEMPERATURE,
     n: int = 1,
     model: str | None = None,
+    **sampling: Any,
 ) -> Generate:
     """A generation over ``input``: a node, a str (a user message) or a list/tuple (a cross).
 
-    ``max_tokens`` 0 means up to the model's limit; ``n`` is the number of samples.
+    ``max_tokens`` 0 means up to the model's limit; ``n`` is the number of samples. Other
+    keywords are sampling options (:meth:`span_workflows.sampling.Sampling.from_options`:
+    ``top_p``, ``stop``, ``json_schema``, ``tools``, ...); an unknown one raises
+    ``ValueError``.
     """
     if isinstance(input, (list, tuple)):
         node: Node = Cross(_nodes(input, "input"))
     else:
         node = _node(input, "input")
     return _checked(
-        Generate(node, max_tokens, _temperature(temperature), n, model)
+        Generate(node, max_tokens, _temperature(temperature), n, model,
+                 sampling=Sampling.from_options(sampling))
     )
 
 

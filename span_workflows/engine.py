@@ -55,7 +55,7 @@ class Engine:
     KV cache. ``locality_fanin`` (>= 2) turns on the attention-locality rewrite.
     ``span_options`` (a :class:`~span_workflows.layout.SpanOptions`, or ``"prefix"`` /
     ``"self"``) says what plus spans attend to and how they are laid out; every ``execute``
-    call may override it.
+    call may override it. ``load_progress=False`` hides vLLM's weight-loading bar.
     """
 
     def __init__(
@@ -72,6 +72,7 @@ class Engine:
         progress: bool = False,
         locality_fanin: int | None = None,
         span_options: SpanOptions | str | None = None,
+        load_progress: bool = True,
     ) -> None:
         self.locality_fanin = locality_fanin
         self.span_options = SpanOptions.coerce(span_options)
@@ -96,6 +97,11 @@ class Engine:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             seed=seed,
+            # Constrained answers (JSON schemas, tool calls) by xgrammar, in compact JSON: no
+            # tokens are spent on layout, and a call renders back into a history as it was
+            # generated.
+            structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+            use_tqdm_on_load=load_progress,
         )
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len

@@ -20,6 +20,7 @@ that glue is dropped. Other text between fragments ends the run and stays in ord
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -40,6 +41,7 @@ from span_workflows.ir import (
     System,
     User,
 )
+from span_workflows.sampling import Sampling
 
 #: Fragments shorter than this (after stripping) are not registered: they would match anywhere.
 MIN_FRAGMENT_CHARS = 8
@@ -128,14 +130,18 @@ def _snapshot() -> list[tuple[str, str]]:
         return list(_registry.items())
 
 
-def find_fragments(text: str) -> list[tuple[int, int, str]]:
-    """Non-overlapping occurrences of registered fragments in ``text``: ``(start, end, id)``.
+def find_fragments(text: str, fragments: Sequence[str] | None = None
+                   ) -> list[tuple[int, int, str]]:
+    """Non-overlapping occurrences of fragments in ``text``: ``(start, end, id)``.
 
-    An occurrence counts only on word boundaries (no letter or digit right before or after it).
-    Where occurrences overlap, the earlier one wins, and at the same start the longer one.
+    ``fragments``: the texts to look for (default: the registered fragments). An occurrence
+    counts only on word boundaries (no letter or digit right before or after it). Where
+    occurrences overlap, the earlier one wins, and at the same start the longer one.
     """
     found: list[tuple[int, int, str]] = []
-    for sid, frag in _snapshot():
+    candidates = (_snapshot() if fragments is None
+                  else [(span_id(f), f) for f in dict.fromkeys(fragments) if f])
+    for sid, frag in candidates:
         at = text.find(frag)
         while at >= 0:
             end = at + len(frag)
@@ -171,13 +177,14 @@ class Run:
 Piece = str | Run
 
 
-def lift(text: str) -> list[Piece]:
+def lift(text: str, fragments: Sequence[str] | None = None) -> list[Piece]:
     """Split a prompt text into ordered text (``str``) and fragment runs (:class:`Run`).
 
-    Text next to a run is stripped of surrounding whitespace; pieces that are then empty are
-    left out. A text without registered fragments comes back as ``[text]``.
+    ``fragments``: the texts that commute (default: the registered fragments). Text next to a
+    run is stripped of surrounding whitespace; pieces that are then empty are left out. A text
+    without fragments comes back as ``[text]``.
     """
-    occurrences = find_fragments(text)
+    occurrences = find_fragments(text, fragments)
     if not occurrences:
         return [text]
     pieces: list[Piece] = []
@@ -217,29 +224,46 @@ def lift_messages(
     max_tokens: int = 256,
     temperature: float = 0.0,
     model: str | None = None,
+    n: int = 1,
+    sampling: Sampling | None = None,
+    fragments: Sequence[str] | None = None,
 ) -> Generate:
-    """A generation over chat ``messages`` (``(role, text)``; role system, user or assistant),
-    with the registered fragments inside system and user messages lifted into plus spans.
+    """A generation over chat ``messages`` (``(role, text)``; role system, user, assistant or
+    tool), with the fragments inside system and user messages lifted into plus spans
+    (``fragments``: the texts that commute; default: the registered fragments).
 
     A message ``before <docs> after`` becomes ``role(before), +(F, F, ...), role(after)`` in the
-    ordered join; assistant messages stay whole (they are outputs, not retrieved text).
+    ordered join; assistant messages stay whole (they are outputs, not retrieved text). Tool
+    results are user messages (the text the caller rendered); consecutive ones, the results of
+    one assistant turn's calls, commute: they become one plus. ``sampling`` is the G's.
     """
     from span_workflows.builders import g
 
     parts: list[Node] = []
+    tools: list[Node] = []
     for role, text in messages:
+        if role == "tool":
+            tools.append(User(text))
+            continue
+        if tools:
+            parts.append(tools[0] if len(tools) == 1 else Plus(tuple(tools)))
+            tools = []
         cls = ROLE_MESSAGES.get(role)
         if cls is None:
-            raise ValueError(f"unknown role {role!r}; expected system, user or assistant")
-        pieces = lift(text) if role != "assistant" else [text]
+            raise ValueError(f"unknown role {role!r}; expected system, user, assistant or tool")
+        pieces = lift(text, fragments) if role != "assistant" else [text]
         for piece in pieces:
             if isinstance(piece, Run):
                 parts.append(Plus(tuple(Fragment(t) for t in piece.texts)))
             else:
                 parts.append(cls(piece))
+    if tools:
+        parts.append(tools[0] if len(tools) == 1 else Plus(tuple(tools)))
     if not parts:
         parts.append(User(""))
-    return g(Cross(tuple(parts)), max_tokens=max_tokens, temperature=temperature, model=model)
+    query = g(Cross(tuple(parts)), max_tokens=max_tokens, temperature=temperature, n=n,
+              model=model)
+    return query if sampling is None else dataclasses.replace(query, sampling=sampling)
 
 
 def commutative_outputs(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -39,6 +39,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
+from span_workflows.sampling import Sampling
+
 T = TypeVar("T")
 
 #: spnl's defaults: ``max_tokens == 0`` means "up to the model's limit".
@@ -131,7 +133,9 @@ class Generate:
     ``max_tokens == 0`` means up to the model's context limit. ``model`` ``None`` means the
     engine's model. ``inline_prompt`` is set by the optimizer on a G nested under a plus: the
     enclosing prompt then reuses this G's own prompt tokens followed by its output, so the KV
-    computed while generating is a cache hit for the outer call.
+    computed while generating is a cache hit for the outer call. ``sampling`` holds the
+    other sampling options, stop sequences and constrained output (a JSON schema or tools):
+    see :mod:`span_workflows.sampling`.
     """
 
     input: Node
@@ -140,6 +144,7 @@ class Generate:
     n: int = 1
     model: str | None = None
     inline_prompt: bool = False
+    sampling: Sampling = Sampling()
 
     def __repr__(self) -> str:
         args = [repr(self.input)]
@@ -149,6 +154,8 @@ class Generate:
             args.append(f"temperature={self.temperature}")
         if self.n != 1:
             args.append(f"n={self.n}")
+        if self.sampling != Sampling():
+            args.append(f"sampling={self.sampling.to_options()!r}")
         return "G(" + ", ".join(args) + ")"
 
 

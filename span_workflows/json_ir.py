@@ -20,6 +20,11 @@ Extensions::
     {"retrieve": {"query": "...", "fragments": [{"fragment": ...}, ...]}}
     {"prepare": {"plus": [Q, ...]}}
     in a g: "n": N (written only when not 1), "inline_prompt": true (written only when true)
+    in a g, sampling (each written only when not its default; see span_workflows.sampling):
+        "top_p": 1.0, "top_k": 0, "seed": S, "logprobs": K, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "stop": ["..."], "json_schema": {...schema...},
+        "tools": [{"type": "function", "function": {"name", "description", "parameters"}}],
+        "tool_choice": "auto" | "required" | "none" | a tool's name
 
 Errors raise :class:`~span_workflows.errors.SpanQueryError` whose path follows
 :mod:`span_workflows.validate`'s convention, e.g. ``input.cross[2]: unknown node 'plux'``.
@@ -34,6 +39,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
@@ -58,12 +64,31 @@ from span_workflows.ir import (
     join_path,
     role_of,
 )
+from span_workflows.sampling import Sampling
 from span_workflows.validate import MAX_DEPTH, validate
+
+#: The sampling options a g may carry (the fields of :class:`Sampling`).
+SAMPLING_FIELDS = tuple(f.name for f in dataclass_fields(Sampling))
 
 #: The deepest JSON bracket nesting read. Generous: any tree of at most ``MAX_DEPTH`` levels
 #: fits (no node spelling uses more than three brackets per level); the tree depth itself is
 #: checked exactly while converting.
 MAX_JSON_NESTING = 4 * MAX_DEPTH + 8
+
+#: The node kinds the parser reads: the one key of a node object (a bare list is a seq).
+NODE_KINDS = (*ROLE_MESSAGES, "fragment", "plus", "cross", "seq", "g", "repeat", "map", "chat",
+              "retrieve", "prepare")
+#: The fields each node body accepts, by kind (``map.metadata``: the map's metadata object).
+#: The parser reads exactly these; ``GET /v1/query/schema`` is generated from them.
+NODE_FIELDS: dict[str, tuple[str, ...]] = {
+    "fragment": ("text", "source"),
+    "g": ("model", "input", "max_tokens", "temperature", "n", "inline_prompt", *SAMPLING_FIELDS),
+    "repeat": ("n", "g", "query", "generate"),
+    "map": ("metadata", "inputs"),
+    "map.metadata": ("model", "max_tokens", "temperature"),
+    "chat": ("model", "messages", "max_tokens", "temperature"),
+    "retrieve": ("query", "fragments"),
+}
 
 #: spnl nodes this project does not implement (named in the error, to tell them from typos).
 _SPNL_UNSUPPORTED = frozenset({"par", "monad", "zip", "augment", "print", "ask", "file", "bulk"})
@@ -313,6 +338,7 @@ def _g_body(node: Generate, input_obj: object) -> dict:
         body["n"] = node.n
     if node.inline_prompt:
         body["inline_prompt"] = True
+    body.update(node.sampling.to_options())
     return body
 
 
@@ -514,7 +540,7 @@ def _model(body: dict, what: str, path: str) -> str | None:
 def _fragment(body: object, path: str) -> Fragment:
     if isinstance(body, str):
         return Fragment(body)
-    body = _fields(body, "fragment", path, ("text", "source"))
+    body = _fields(body, "fragment", path, NODE_FIELDS["fragment"])
     if "text" not in body:
         raise SpanQueryError(path, "fragment is missing 'text'")
     return Fragment(
@@ -523,7 +549,7 @@ def _fragment(body: object, path: str) -> Fragment:
     )
 
 
-_G_FIELDS = ("model", "input", "max_tokens", "temperature", "n", "inline_prompt")
+_G_FIELDS = NODE_FIELDS["g"]
 
 
 def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
@@ -539,15 +565,19 @@ def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
         raise SpanQueryError(
             path, f"{what} inline_prompt must be a boolean, got {_type_name(inline)}"
         )
+    try:
+        sampling = Sampling.from_options({k: body[k] for k in SAMPLING_FIELDS if k in body})
+    except (TypeError, ValueError) as exc:
+        raise SpanQueryError(path, f"{what}: {exc}") from None
     return _Frame(
-        lambda kids: Generate(kids[0], max_tokens, temperature, n, model, inline),
+        lambda kids: Generate(kids[0], max_tokens, temperature, n, model, inline, sampling),
         [(body["input"], join_path(path, "input"))],
         depth,
     )
 
 
 def _repeat_frame(body: object, path: str, depth: int) -> _Frame:
-    body = _fields(body, "repeat", path, ("n", "g", "query", "generate"))
+    body = _fields(body, "repeat", path, NODE_FIELDS["repeat"])
     spellings = [k for k in ("g", "query", "generate") if k in body]
     if len(spellings) != 1:
         raise SpanQueryError(path, "repeat needs exactly one of 'g', 'query' or 'generate'")
@@ -575,9 +605,8 @@ def _repeat_frame(body: object, path: str, depth: int) -> _Frame:
 
 
 def _map(body: object, path: str) -> Map:
-    body = _fields(body, "map", path, ("metadata", "inputs"))
-    meta = _fields(body.get("metadata", {}), "map metadata", path,
-                   ("model", "max_tokens", "temperature"))
+    body = _fields(body, "map", path, NODE_FIELDS["map"])
+    meta = _fields(body.get("metadata", {}), "map metadata", path, NODE_FIELDS["map.metadata"])
     if "inputs" not in body:
         raise SpanQueryError(path, "map is missing 'inputs'")
     inputs = _list(body["inputs"], "map inputs", path)
@@ -593,7 +622,7 @@ def _map(body: object, path: str) -> Map:
 
 
 def _chat_frame(body: object, path: str, depth: int) -> _Frame:
-    body = _fields(body, "chat", path, ("model", "messages", "max_tokens", "temperature"))
+    body = _fields(body, "chat", path, NODE_FIELDS["chat"])
     if "messages" not in body:
         raise SpanQueryError(path, "chat is missing 'messages'")
     messages = _list(body["messages"], "chat messages", path)
@@ -608,7 +637,7 @@ def _chat_frame(body: object, path: str, depth: int) -> _Frame:
 
 
 def _retrieve_frame(body: object, path: str, depth: int) -> _Frame:
-    body = _fields(body, "retrieve", path, ("query", "fragments"))
+    body = _fields(body, "retrieve", path, NODE_FIELDS["retrieve"])
     query = _string(body.get("query"), "retrieve query", path)
     if "fragments" not in body:
         raise SpanQueryError(path, "retrieve is missing 'fragments'")
@@ -620,4 +649,5 @@ def _retrieve_frame(body: object, path: str, depth: int) -> _Frame:
     )
 
 
-__all__ = ["MAX_JSON_NESTING", "dump_json", "from_json", "parse_json", "to_json", "to_obj"]
+__all__ = ["MAX_JSON_NESTING", "NODE_FIELDS", "NODE_KINDS", "dump_json", "from_json",
+           "parse_json", "to_json", "to_obj"]

@@ -12,17 +12,21 @@ a choice with a price in answer quality (``benchmarks/results/quality.md``):
   reused across different prefixes too, but every span then carries attention-sink KV of its
   own, which costs accuracy on small models.
 
-``link_blocks=k`` recomputes the first ``k`` KV blocks of every span in the prompt's context
-(EPIC's link tokens, at block granularity): small *link* requests, one per span and in order,
-compute them after everything before them, so no span's first tokens carry KV blind to the
-spans before it; the rest of each span is still its cached KV. In ``prefix`` mode the first span
-of a plus already follows its context and is not linked.
+``link_blocks=k`` (default 1) recomputes the first ``k`` KV blocks of every span in the
+prompt's context (EPIC's link tokens, at block granularity): small *link* requests, one per
+span and in order, compute them after everything before them, so no span's first tokens carry
+KV blind to the spans before it; the rest of each span is still its cached KV. In ``prefix``
+mode the first span of a plus already follows its context and is not linked.
 
 Layout knobs, measured in the quality benchmark: where the padding goes (``pad``: after the
 span's message, inside it before the end-of-message tokens, or before the message), which text
 pads (``pad_text``, one token), and whether a marker token opens each span (``marker``; the
 engine does not need one: span boundaries travel next to the tokens, see
-:mod:`span_workflows.wire`).
+:mod:`span_workflows.vllm_io`).
+
+The defaults (``prefix``, one link block, padding after) are the most accurate mode measured
+that keeps a span hit ≥ 10× faster than stock at 16 documents; ``link_blocks=0`` drops the
+link requests (fewer requests, fewer correct answers).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class SpanOptions:
     pad: PadPosition = "after"
     pad_text: str = "\n"
     marker: bool = False
-    link_blocks: int = 0
+    link_blocks: int = 1
 
     def __post_init__(self) -> None:
         if self.attend not in ATTEND_CHOICES:

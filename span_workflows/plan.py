@@ -38,10 +38,12 @@ from span_workflows.compile import (
     nested_generations,
 )
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Cross, Generate, Node, Plus, child_path
+from span_workflows.ir import Cross, Generate, Node, Plus, child_path, content_hash
 from span_workflows.layout import SpanOptions
 from span_workflows.optimize import optimize, ordered_for_stock
 from span_workflows.result import Metrics, Result
+from span_workflows.sampling import Sampling, parse_answer
+from span_workflows.tool_prompt import with_tool_prompts
 
 
 @dataclass
@@ -61,6 +63,8 @@ class Request:
     segments: Segments = ()
     #: vLLM's ``cache_salt``: requests with different salts share no cached KV
     cache_salt: str | None = None
+    #: the other sampling options and the output constraint (the G's)
+    sampling: Sampling = field(default_factory=Sampling)
 
     @classmethod
     def prepare(cls, prompt: SpanPrompt, cache_salt: str | None = None) -> Request:
@@ -84,6 +88,10 @@ class Output:
     #: the request was aborted after its first step: its cache hits fell short of
     #: ``Request.min_cached`` (a prepared span was evicted before it was used)
     short: bool = False
+    #: why each sample ended: ``"stop"`` (end of turn or a stop sequence) or ``"length"``
+    finish_reasons: list[str] = field(default_factory=list)
+    #: the first sample's top log-probabilities per generated token (when asked)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -129,6 +137,7 @@ class Planner:
 
     def normalize(self, query: Node, optimize_query: bool = True, span_mode: bool = True) -> Node:
         """The tree that is executed: optimized (span mode) or desugared in order (stock)."""
+        query = with_tool_prompts(query)
         node = optimize(query, locality_fanin=self.locality_fanin) if optimize_query else query
         if not span_mode:
             node = ordered_for_stock(query)
@@ -171,6 +180,8 @@ class Planner:
             generated_tokens=sum(p.metrics.generated_tokens for p in parts),
             prepare_requests=sum(p.metrics.prepare_requests for p in parts),
             latency_s=time.perf_counter() - started,
+            link_requests=sum(p.metrics.link_requests for p in parts),
+            prepared_tokens=sum(p.metrics.prepared_tokens for p in parts),
         )
         return Result(PART_SEPARATOR.join(p.text for p in parts), metrics,
                       [t for p in parts for t in p.texts], parts=parts)
@@ -208,7 +219,7 @@ class Planner:
             )
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
         expected = _expected_hits(tq) if span_mode else 0
-        prepared = 0
+        prepared = relinked = prepared_tokens = 0
         for attempt in range(MAX_ATTEMPTS):
             if span_mode and tq.prepare_stages:
                 everything = tq.prepare
@@ -221,19 +232,22 @@ class Planner:
                 for stage in tq.prepare_stages:
                     prepares = missing(stage, [_key(p) in hit for p in stage])
                     if prepares:
-                        yield [Request.prepare(p, salt) for p in prepares]
+                        outs = yield [Request.prepare(p, salt) for p in prepares]
                         prepared += len(prepares)
+                        prepared_tokens += _computed(outs)
             if span_mode and tq.links:
                 linked = yield Probe(tq.links, [salt] * len(tq.links))
                 # Each link request reads the links before it: one at a time, in order.
                 for link, cached in zip(tq.links, linked, strict=True):
                     if not cached or attempt:
-                        yield [Request.prepare(link, salt)]
-                        prepared += 1
+                        outs = yield [Request.prepare(link, salt)]
+                        relinked += 1
+                        prepared_tokens += _computed(outs)
             last = attempt == MAX_ATTEMPTS - 1
+            logprobs = g.sampling.logprobs if settings.logprobs is None else settings.logprobs
             [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
-                                   None if inline else settings.logprobs,
-                                   0 if last else expected, tq.segments, salt)]
+                                   None if inline else logprobs,
+                                   0 if last else expected, tq.segments, salt, g.sampling)]
             if not out.short:
                 break
         metrics = Metrics(
@@ -244,12 +258,27 @@ class Planner:
             prepare_requests=prepared,
             latency_s=out.finished - started,
             final_ttft_s=out.first_token - out.submitted,
+            link_requests=relinked,
+            prepared_tokens=prepared_tokens,
         )
-        return Result(out.texts[0], metrics, out.texts, out.token_ids[0], tq,
-                      first_logprobs=out.first_logprobs, nested=nested_results)
+        finish = out.finish_reasons[0] if out.finish_reasons else "stop"
+        text, calls = out.texts[0], []
+        if g.sampling.uses_tools:
+            answer = parse_answer(text, f"call_{content_hash(g)[:8]}_{len(tq.token_ids)}")
+            if answer is not None:
+                text, calls = answer
+                finish = "tool_calls" if calls else finish
+        return Result(text, metrics, out.texts, out.token_ids[0], tq,
+                      first_logprobs=out.first_logprobs, nested=nested_results,
+                      finish_reason=finish, tool_calls=calls, logprobs=out.logprobs)
 
 
 MAX_ATTEMPTS = 3
+
+
+def _computed(outputs: Sequence[Output]) -> int:
+    """Prompt tokens that ``outputs``' requests computed (did not read from the cache)."""
+    return sum(max(0, o.prompt_tokens - o.cached_tokens) for o in outputs)
 
 
 def _expected_hits(tq: TokenizedQuery) -> int:

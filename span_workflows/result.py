@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from span_workflows.compile import TokenizedQuery
+from span_workflows.sampling import ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,13 +16,26 @@ class Metrics:
     the first token of its final generation."""
 
     ttft_s: float
-    prompt_tokens: int
+    prompt_tokens: int  # the final generations' prompts
     cached_tokens: int
     generated_tokens: int
+    #: spans computed because they were not cached (0 on a full hit)
     prepare_requests: int = 0
     latency_s: float = 0.0
     #: TTFT of the final generation request alone (after nested G's and prepares)
     final_ttft_s: float = 0.0
+    #: link requests run (``SpanOptions.link_blocks``): each recomputes the first blocks of
+    #: one span after everything before it; a new order of cached spans needs new links
+    link_requests: int = 0
+    #: prompt tokens computed by this query's own prepare requests (part of
+    #: ``cached_tokens`` when the final request reads them back)
+    prepared_tokens: int = 0
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens of the final generations that were in the cache before the query
+        started: ``cached_tokens`` less what the query's prepare requests computed."""
+        return max(0, self.cached_tokens - self.prepared_tokens)
 
     def to_dict(self) -> dict[str, float | int]:
         """Every metric under its field name, JSON-ready (the CLI's and the wire's form)."""
@@ -57,6 +71,14 @@ class Result:
     #: results of the G's nested directly in this G's input (the drafts a judge read), keyed
     #: by their path in the optimized query (``input.cross[1].plus[0]``)
     nested: dict[str, Result] = field(default_factory=dict)
+    #: why the answer ended: ``"stop"`` (end of turn or a stop sequence), ``"length"``
+    #: (``max_tokens`` or the context limit) or ``"tool_calls"`` (the answer calls tools;
+    #: ``text`` is then empty)
+    finish_reason: str = "stop"
+    #: the tool calls of the answer (a G with tools); a plain answer's ``text`` is its content
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    #: top log-probabilities of every generated token of the first sample (``logprobs=k``)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """``{"text", "metrics"}`` as the CLI prints it."""

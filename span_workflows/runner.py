@@ -11,6 +11,7 @@ two in-process engines).
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from span_workflows.backend import QueryBackend
 from span_workflows.ir import Node
+from span_workflows.model import DEFAULT_MODEL_NAME
 from span_workflows.result import Result
 from span_workflows.streaming import AsyncTextStream, TextStream
 
@@ -25,15 +27,33 @@ _engine_lock = threading.Lock()
 _default_engine: Any = None
 
 
-def default_engine() -> Any:
+def default_engine(model: str | None = None) -> Any:
     """The embedded :class:`~span_workflows.engine.Engine` that framework models use when
-    they are given no backend: created on first use, then shared by the whole process."""
+    they are given no backend: created on first use, then shared by the whole process.
+
+    ``model`` chooses what it loads: ``None`` or the default's name
+    (:data:`~span_workflows.model.DEFAULT_MODEL_NAME`) the bundled default, announced once on
+    stderr, else a local model directory. vLLM runs one engine per process, so asking for
+    another model than the one loaded raises ``ValueError``."""
     global _default_engine
+    default = model is None or model == DEFAULT_MODEL_NAME
     with _engine_lock:
         if _default_engine is None:
             from span_workflows.engine import Engine
 
-            _default_engine = Engine()
+            if default:
+                print(f"span-workflows: loading the default model {DEFAULT_MODEL_NAME}",
+                      file=sys.stderr)
+            _default_engine = Engine(None if default else model)
+        elif not default and model != _default_engine.model_name:
+            raise ValueError(
+                f"this process already runs an engine for {_default_engine.model_name!r}; "
+                f"vLLM runs one in-process engine, so model {model!r} cannot be loaded too "
+                f"(serve it with `span-workflows serve` and pass server_url=)")
+        elif default and _default_engine.model_name != DEFAULT_MODEL_NAME and model is not None:
+            raise ValueError(
+                f"this process already runs an engine for {_default_engine.model_name!r}, "
+                f"not the default model {DEFAULT_MODEL_NAME!r}")
         return _default_engine
 
 
@@ -92,7 +112,7 @@ class QueryRunner:
                     timeout=self.timeout or 600.0, retries=self.max_retries,
                 )
             return self._server
-        return self.engine or default_engine()
+        return self.engine or default_engine(getattr(self, "model_name", None))
 
     def execute(self, query: Node) -> Result:
         """Run any span query on this model's backend; returns its :class:`Result`."""

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 from span_workflows.plan import PART_SEPARATOR
 from span_workflows.result import Result
@@ -39,6 +40,12 @@ class PartStream:
             self._seen[part] = len(text)
             self._emit(part, text[seen:])
 
+    def update_output(self, part: int, output: Any) -> None:
+        """Part ``part``'s vLLM ``CompletionOutput`` so far (cumulative); only the first
+        output (``index`` 0) is streamed."""
+        if output.index == 0:
+            self.update(part, output.text)
+
     def finish(self, part: int) -> None:
         """Part ``part`` generated its last token."""
         self._emit(part, "")
@@ -63,6 +70,44 @@ class PartStream:
     def _put(self, delta: str) -> None:
         if delta:
             self._emit_delta(delta)
+
+
+class ChoiceStream:
+    """Streams every output of an answer on its own, as OpenAI's ``choices`` (and spnl's
+    ``index``) keep them apart, instead of joining them into one text.
+
+    Fed like a :class:`PartStream` (by :class:`~span_workflows.vllm_io.RequestRun`), it
+    calls ``emit(index, delta)`` with each non-empty delta of choice ``index`` = part +
+    output index: the ``n`` outputs of a single G (part 0), or the parts of a map or repeat
+    (one output each). It records each choice's vLLM ``finish_reason`` (``"stop"``,
+    ``"length"``, ...) in :attr:`finish_reasons`. ``emit`` may be ``None`` to only record
+    them."""
+
+    def __init__(self, emit: Callable[[int, str], None] | None = None) -> None:
+        self._emit = emit
+        self._seen: dict[int, int] = {}
+        self.finish_reasons: dict[int, str] = {}
+
+    def update(self, part: int, text: str) -> None:
+        """Part ``part``'s first output so far (cumulative)."""
+        self._update(part, text)
+
+    def update_output(self, part: int, output: Any) -> None:
+        """Part ``part``'s vLLM ``CompletionOutput`` so far (cumulative text)."""
+        index = part + int(output.index)
+        self._update(index, output.text)
+        if getattr(output, "finish_reason", None):
+            self.finish_reasons[index] = str(output.finish_reason)
+
+    def _update(self, index: int, text: str) -> None:
+        seen = self._seen.get(index, 0)
+        if len(text) > seen:
+            self._seen[index] = len(text)
+            if self._emit is not None:
+                self._emit(index, text[seen:])
+
+    def finish(self, part: int) -> None:
+        """Part ``part`` generated its last token (nothing to flush: no output waits)."""
 
 
 class TextStream(Iterator[str]):
@@ -131,4 +176,4 @@ class AsyncTextStream(AsyncIterator[str]):
         await self.aclose()
 
 
-__all__ = ["AsyncTextStream", "PartStream", "TextStream"]
+__all__ = ["AsyncTextStream", "ChoiceStream", "PartStream", "TextStream"]

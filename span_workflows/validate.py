@@ -36,6 +36,7 @@ from span_workflows.ir import (
     children_of,
     join_path,
 )
+from span_workflows.sampling import Sampling
 
 #: The deepest tree accepted, counted in nodes from the root to a leaf (the root is level 1;
 #: chat and retrieve count 2, map 3: the depth of what they desugar to).
@@ -148,6 +149,7 @@ def _check_node(node: object, path: str) -> None:
         if node.input is None:
             raise SpanQueryError(path, "g has no input")
         _check_generation(node.max_tokens, node.temperature, node.model, path)
+        _check_sampling(node, path)
         _check_samples(node.n, "n", path)
         if not isinstance(node.inline_prompt, bool):
             raise SpanQueryError(
@@ -206,6 +208,16 @@ def _check_generation(max_tokens: object, temperature: object, model: object, pa
         )
     if model is not None and (not isinstance(model, str) or not model):
         raise SpanQueryError(path, f"model must be a non-empty str or None, got {model!r}")
+
+
+def _check_sampling(node: Generate, path: str) -> None:
+    if not isinstance(node.sampling, Sampling):
+        raise SpanQueryError(path, f"g sampling must be a Sampling, got {_kind(node.sampling)}")
+    problem = node.sampling.problem()
+    if problem:
+        raise SpanQueryError(path, problem)
+    if node.sampling.uses_tools and node.n != 1:
+        raise SpanQueryError(path, f"a g with tools samples one answer, got n={node.n}")
 
 
 def _check_samples(n: object, field: str, path: str) -> None:

@@ -1,22 +1,26 @@
 """What crosses from a plan into vLLM and back, for the embedded engine and the HTTP app alike.
 
 A plan :class:`~span_workflows.plan.Request` becomes a tokens prompt (with vLLM's
-``cache_salt``) and :class:`vllm.SamplingParams` whose ``extra_args`` carry the request's span
-segments under this process's layout key (:func:`span_vllm.contract.layout_args`); nothing else
-reaches the engine processes. While the request runs, a :class:`RequestRun` reads vLLM's
-cumulative ``RequestOutput`` s: it notes the first token, streams part texts, and says when the
-request must be aborted because its cache hits fell short (a prepared span was evicted before
-it was used; the plan then prepares again and retries). At the end it builds the plan's
-:class:`~span_workflows.plan.Output`.
+``cache_salt``) and :class:`vllm.SamplingParams`: the request's sampling options, stop
+sequences and output constraint (vLLM's structured outputs), and in ``extra_args`` the
+request's span segments under this process's layout key
+(:func:`span_vllm.contract.layout_args`); nothing else reaches the engine processes. While the
+request runs, a :class:`RequestRun` reads vLLM's cumulative ``RequestOutput`` s: it notes the
+first token, streams part texts, and says when the request must be aborted because its cache
+hits fell short (a prepared span was evicted before it was used; the plan then prepares again
+and retries). At the end it builds the plan's :class:`~span_workflows.plan.Output`, with each
+sample's finish reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from span_vllm import contract
 from span_workflows.plan import Output, Request
+from span_workflows.sampling import answer_schema
 from span_workflows.streaming import PartStream
 
 
@@ -28,15 +32,31 @@ def tokens_prompt(req: Request) -> dict[str, Any]:
     return prompt
 
 
-def sampling_params(req: Request, layout_key: str) -> Any:
+def sampling_params(req: Request, layout_key: str,
+                    extra: Mapping[str, Any] | None = None) -> Any:
     """vLLM's ``SamplingParams`` of ``req``; its segments travel in ``extra_args`` (a request
-    without segments hashes exactly as stock vLLM does)."""
+    without segments hashes exactly as stock vLLM does). The G's own ``req.sampling`` sets
+    the sampling options; ``extra``: more ``SamplingParams`` fields (``min_p``, ``seed``,
+    ``stop``, ...) over those, applied to the answer's own generations (``req.part`` set)
+    only: prepare and nested requests keep their fixed settings."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    s = req.sampling
+    schema = answer_schema(s)
+    options: dict[str, Any] = {
+        "logprobs": req.logprobs, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
+        "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+        "stop": list(s.stop) or None,
+    }
+    if req.part is not None:
+        options.update(extra or {})
     return SamplingParams(
         max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
-        logprobs=req.logprobs,
+        structured_outputs=(None if schema is None else
+                            StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
         extra_args=contract.layout_args(req.segments, layout_key) if req.segments else None,
+        **options,
     )
 
 
@@ -52,12 +72,17 @@ class RequestRun:
     first: float | None = None
     final: Any = None
     short: bool = False
+    #: the latest output of each sample, by index (with ``n > 1`` vLLM's streaming outputs
+    #: may carry only the samples that advanced)
+    samples: dict[int, Any] = field(default_factory=dict)
 
     def see(self, out: Any, now: float) -> bool:
         """Take the request's latest (cumulative) output. Returns ``True`` when the request
         must be aborted: its first token came with fewer prompt tokens from the cache than
         ``request.min_cached``, so a span it relies on was computed in context."""
         self.final = out
+        for o in out.outputs:
+            self.samples[int(o.index)] = o
         if self.first is None and any(o.token_ids for o in out.outputs):
             self.first = now
             if int(out.num_cached_tokens or 0) < self.request.min_cached:
@@ -65,8 +90,7 @@ class RequestRun:
                 return True
         if self.stream is not None and self.request.part is not None:
             for o in out.outputs:
-                if o.index == 0:
-                    self.stream.update(self.request.part, o.text)
+                self.stream.update_output(self.request.part, o)
         return False
 
     def output(self, finished: float) -> Output:
@@ -76,9 +100,11 @@ class RequestRun:
             raise RuntimeError("the engine returned no output")
         if self.stream is not None and self.request.part is not None and not self.short:
             self.stream.finish(self.request.part)
-        outputs = sorted(final.outputs, key=lambda o: o.index)
+        outputs = [self.samples[i] for i in sorted(self.samples)] or list(final.outputs)
         logprobs = getattr(outputs[0], "logprobs", None)
         return Output(
+            finish_reasons=[o.finish_reason or "stop" for o in outputs],
+            logprobs=[{tok: lp.logprob for tok, lp in step.items()} for step in logprobs or []],
             texts=[o.text for o in outputs],
             token_ids=[list(o.token_ids) for o in outputs],
             prompt_tokens=len(final.prompt_token_ids or self.request.prompt),

@@ -33,14 +33,16 @@ PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
 #: (without circles) or from a lower one. ``span_workflows.apps`` stands above them all.
 LAYERS: dict[str, tuple[str, ...]] = {
     "front": ("span_workflows", "runner", "backend", "engine", "serving", "serving.client",
-              "serving.app", "serving.service", "serving.launch", "scaleout",
-              "scaleout.affinity", "scaleout.keys", "scaleout.simulate", "scaleout.ray_router",
-              "scaleout.deployment"),
-    "boundary": ("vllm_io", "serving.wire", "streaming"),
+              "serving.app", "serving.service", "serving.launch", "serving.chat_route",
+              "serving.spnl_route", "scaleout", "scaleout.affinity", "scaleout.keys",
+              "scaleout.simulate", "scaleout.ray_router", "scaleout.deployment"),
+    "boundary": ("vllm_io", "serving.wire", "streaming", "serving.chat_wire",
+                 "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments"),
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
-                            "optimize", "locality", "compile", "render", "layout"),
-    "ground": ("ir", "errors", "model", "retrieval"),
+                            "optimize", "locality", "compile", "render", "layout",
+                            "tool_prompt"),
+    "ground": ("ir", "errors", "model", "retrieval", "sampling"),
 }
 
 

@@ -18,6 +18,8 @@ Public API (everything else is private to the plugin):
 
   other processes ask the engine core with the utility calls of the same names, which run
   these two functions there;
+* :func:`hash_blocks` ``(token_ids, block_size, hash_fn, segments=(), salt=None)`` — the
+  block hashes the plugin gives a prompt under a span layout, for tools and benchmarks;
 * :class:`RopeRotator`, :class:`CpuKeyLayout`, :class:`PagedKeyLayout` — the torch-only key
   rotation, for benchmarks and device checks.
 
@@ -34,7 +36,7 @@ from span_vllm import contract
 from span_vllm.config import enabled
 
 if TYPE_CHECKING:
-    from span_vllm.hashing import routing_block_keys
+    from span_vllm.hashing import hash_blocks, routing_block_keys
     from span_vllm.patches import probe as span_probe
     from span_vllm.patches import span_stats
     from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "span_probe": ("span_vllm.patches", "probe"),
     "span_stats": ("span_vllm.patches", "span_stats"),
+    "hash_blocks": ("span_vllm.hashing", "hash_blocks"),
     "routing_block_keys": ("span_vllm.hashing", "routing_block_keys"),
     "RopeRotator": ("span_vllm.rotation", "RopeRotator"),
     "CpuKeyLayout": ("span_vllm.rotation", "CpuKeyLayout"),
@@ -69,6 +72,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "register",
+    "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "hash_blocks", "register",
     "routing_block_keys", "span_probe", "span_stats",
 ]

@@ -11,9 +11,10 @@ computes (``_compute_inv_freq``, captured while it builds its cache); the attent
 
 :func:`rope_spec` *checks* linearity instead of trusting a class list: it recomputes the
 module's float32 cache and compares every row with ``m · (cos pθ, sin pθ)`` (and the module's
-buffer with that rotation: rounding-level differences are logged, others refused), so a variant whose angles depend on anything but the position
-(per-request long/short factors, multimodal positions, several scaling factors, frequencies
-that change with the sequence length) is refused before the first request.
+buffer with that rotation: rounding-level differences are logged, others refused), so a
+variant whose angles depend on anything but the position (per-request long/short factors,
+multimodal positions, several scaling factors, frequencies that change with the sequence
+length) is refused before the first request.
 """
 
 from __future__ import annotations

@@ -9,15 +9,17 @@ meaningful on a shared, noisy machine even when absolute times are not.
   order) and the *floor* (the question alone).
 * ``nested`` — judge/generator with a fan-out of n drafts: TTFT of the judge call.
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
-* ``compile`` — client overhead of optimize + compile per query.
+* ``compile`` — client overhead of optimize + compile per query, and the plugin's block
+  hashing cost per block at 1k / 32k / 128k tokens (plain and span layouts).
 * ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench_route`).
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
   rewrite, crop on and off (:mod:`span_workflows.apps.bench_locality`).
+* ``quality`` — answer accuracy of stock and every span mode on invented-fact RAG questions,
+  with first-token KL and span-hit TTFT (:mod:`span_workflows.apps.bench_quality`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.corpus import documents
 from span_workflows.apps.report import plot, print_table
 from span_workflows.builders import g, judge_generator, rag, user
 
@@ -33,35 +36,6 @@ from span_workflows.builders import g, judge_generator, rag, user
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
-_STDLIB = (
-    "json", "pathlib", "itertools", "functools", "collections", "datetime", "re", "asyncio",
-    "heapq", "bisect", "statistics", "textwrap", "shutil", "tempfile", "csv", "sqlite3",
-    "zipfile", "argparse", "logging", "random", "decimal", "fractions", "uuid", "hashlib",
-    "difflib", "enum", "dataclasses", "typing", "contextlib", "copy", "pickle", "threading",
-    "queue", "subprocess", "socket", "calendar", "tarfile", "glob", "weakref", "operator",
-)
-
-
-def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[str]:
-    """``count`` distinct documents of about ``doc_tokens`` tokens of real English text (the
-    standard library's documentation), deterministic."""
-    import importlib
-
-    text = []
-    for name in _STDLIB:
-        module = importlib.import_module(name)
-        text.append(module.__doc__ or "")
-        for attr in sorted(dir(module))[:40]:
-            doc = getattr(getattr(module, attr, None), "__doc__", None)
-            if isinstance(doc, str) and not attr.startswith("_"):
-                text.append(doc)
-    ids = tokenizer.encode("\n".join(text), add_special_tokens=False)
-    need = count * doc_tokens
-    while len(ids) < need:
-        ids = ids + ids
-    return [tokenizer.decode(ids[i * doc_tokens:(i + 1) * doc_tokens]) for i in range(count)]
-
-
 def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: int,
               progress: bool = True) -> list[dict[str, Any]]:
     """One row per document count; see the module docstring."""
@@ -191,8 +165,37 @@ def bench_compile(engine: Any, docs_counts: Sequence[int], doc_tokens: int,
     return rows
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def bench_hashing(token_counts: Sequence[int] = (1024, 32768, 131072), block_size: int = 16,
+                  span_tokens: int = 512, reps: int = 3) -> list[dict[str, Any]]:
+    """The plugin's block-hashing cost per block for prompts of ``token_counts`` tokens at
+    ``block_size``, plain (stock rules) and cut into spans of ``span_tokens`` (every span
+    anchored after the first, isolated ones in between): flat per block when the chain root
+    travels with the hashes, growing with the length when each block scans back for it."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+
+    from span_vllm import hash_blocks
+    from span_vllm.contract import ANCHORED, ISOLATED, ORDERED
+
+    kv_cache_utils.init_none_hash(sha256)
+    rows = []
+    for count in token_counts:
+        tokens = [(7 * i) % 32000 for i in range(count)]
+        spans: list[tuple[int, str]] = [(0, ORDERED)]
+        spans += [(start, ANCHORED if (start // span_tokens) % 2 else ISOLATED)
+                  for start in range(span_tokens, count - span_tokens, span_tokens)]
+        spans.append((count - span_tokens // 2, ORDERED))
+        blocks = count // block_size
+        row: dict[str, Any] = {"tokens": count, "blocks": blocks}
+        for name, segments in (("plain", ()), ("spans", tuple(spans))):
+            times = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                hash_blocks(tokens, block_size, sha256, segments)
+                times.append(time.perf_counter() - started)
+            row[f"{name}_us_per_block"] = statistics.median(times) / blocks * 1e6
+        rows.append(row)
+    return rows
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
@@ -201,30 +204,19 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         from span_workflows.apps.bench_route import run_route
 
         return run_route(argv)
-    parser = argparse.ArgumentParser(prog=f"span-workflows bench {name}")
-    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
-    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--docs", type=_ints, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--doc-tokens", type=int, default=440)
-    parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16])
-    parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256])
-    parser.add_argument("--model", help="local HF model directory")
-    parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800])
-    parser.add_argument("--trials", type=int, default=8)
-    parser.add_argument("--positions", type=lambda t: [p for p in t.split(",") if p],
-                        default=["start", "middle", "end"])
-    parser.add_argument("--no-crop", action="store_true",
-                        help="locality: run with cropping off only (default: on and off)")
-    parser.add_argument("--markdown", type=Path, help="locality: write the table here")
-    parser.add_argument("--copy-tokens", type=int, default=8,
-                        help="locality: tokens each inner generation copies (0: all)")
+    from span_workflows.apps.bench_options import BENCHMARKS, bench_parser
+
+    parser = bench_parser(name)
     args = parser.parse_args(list(argv))
-    if name not in ("rag", "nested", "reposition", "compile", "locality"):
+    if name not in BENCHMARKS:
         from span_workflows.errors import SpanQueryError
 
-        raise SpanQueryError("bench", f"unknown benchmark {name!r} "
-                                      "(rag, nested, reposition, compile, locality)")
+        raise SpanQueryError("bench", f"unknown benchmark {name!r} ({', '.join(BENCHMARKS)})")
+    if name == "quality":
+        from span_workflows.apps.bench_quality import run_quality
+
+        return run_quality(args)
+    args.docs = args.docs or [1, 2, 4, 8, 16]
     if name == "locality":
         from span_workflows.apps.bench_locality import run_locality
 
@@ -251,9 +243,15 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         finally:
             engine.close()
     print_table(rows)
+    written: Any = rows
+    if name == "compile":  # and the plugin's share: block hashing per block, by length
+        hashing = bench_hashing(reps=args.reps)
+        print()
+        print_table(hashing)
+        written = {"compile": rows, "hashing": hashing}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        args.json.write_text(json.dumps(written, indent=2) + "\n")
     if args.plot:
         plot(rows, x, ys, args.plot, f"span-workflows bench {name}", label)
     return 0

@@ -41,7 +41,6 @@ use the same engine (``engine.compiler.crop`` toggled) and the same inner output
 
 from __future__ import annotations
 
-import math
 import random
 import re
 import string
@@ -49,6 +48,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from span_workflows.apps.report import wilson
 from span_workflows.builders import cross, g, plus, system, user
 from span_workflows.ir import Generate
 from span_workflows.locality import tournament
@@ -166,17 +166,6 @@ def token_f1(answer: str, gold: str) -> float:
         return float(pred == ref)
     precision, recall = common / len(pred), common / len(ref)
     return 2 * precision * recall / (precision + recall)
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95 % Wilson score interval of ``successes / n`` as ``(low, high)``."""
-    if n == 0:
-        return 0.0, 1.0
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def _pm(successes: int, n: int) -> float:

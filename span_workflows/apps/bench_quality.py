@@ -20,14 +20,17 @@ separates what the layout costs from what isolation costs.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from span_workflows.apps.qa_set import QUESTION_KINDS, Question, is_correct, make_questions
+from span_workflows.apps.report import wilson
 from span_workflows.builders import rag
 from span_workflows.layout import SpanOptions
 
@@ -52,11 +55,13 @@ class Variant:
 
 
 def _span(name: str, **fields: Any) -> Variant:
-    return Variant(name, SpanOptions(**fields))
+    """A span variant: no link blocks unless ``fields`` ask for them (whatever the default)."""
+    return Variant(name, SpanOptions(**{"link_blocks": 0, **fields}))
 
 
 def _layout(name: str, **fields: Any) -> Variant:
-    return Variant(name, SpanOptions(**fields), layout_only=True)
+    """The tokens of span variant ``fields``, read with full attention."""
+    return Variant(name, _span(name, **fields).options, layout_only=True)
 
 
 #: Every variant the benchmark knows, by name.
@@ -64,6 +69,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("stock"),
     _span("prefix"),
     _span("prefix/link", link_blocks=1),
+    _span("prefix/link2", link_blocks=2),
     _span("prefix/pad-inside", pad="inside"),
     _span("prefix/pad-before", pad="before"),
     _span("prefix/marker", marker=True),
@@ -82,17 +88,6 @@ class _Answers:
     correct: list[bool]
     facts: list[str]
     first: list[dict[int, float]]
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of a proportion."""
-    if n == 0:
-        return (0.0, 0.0)
-    p = successes / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return (max(0.0, centre - half), min(1.0, centre + half))
 
 
 def kl_top(p: dict[int, float], q: dict[int, float]) -> float:
@@ -160,48 +155,201 @@ def hit_ttft(engine: Any, options: SpanOptions | None, docs: Sequence[str], ques
     return statistics.median(times)
 
 
+class AnswerStore:
+    """Answers of finished (variant, document count) runs in a JSON file, so a long run that
+    stops (or one variant added later) resumes without answering anything twice. Entries are
+    keyed by variant, document count, question count, seed and model."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}
+        if path is not None and path.exists():
+            try:
+                self.entries = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                from span_workflows.errors import SpanQueryError
+
+                raise SpanQueryError("--answers", f"{path} is not an answers file ({exc})"
+                                     ) from None
+
+    @staticmethod
+    def key(variant: str, n_docs: int, count: int, seed: int, model: str) -> str:
+        """The entry name of one run."""
+        return f"{variant}|docs={n_docs}|questions={count}|seed={seed}|model={model}"
+
+    def get(self, key: str) -> _Answers | None:
+        """The stored answers of ``key``, if any."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        first = [{int(t): float(lp) for t, lp in d.items()} for d in entry["first"]]
+        return _Answers(list(entry["correct"]), list(entry["facts"]), first)
+
+    def put(self, key: str, answers: _Answers) -> None:
+        """Store (and, with a path, save) the answers of ``key``."""
+        self.entries[key] = {"correct": answers.correct, "facts": answers.facts,
+                             "first": [{str(t): lp for t, lp in d.items()}
+                                       for d in answers.first]}
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.entries))
+
+
 def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequence[int],
                   count: int, *, seed: int = 0, ttft_docs: int = 16, ttft_doc_tokens: int = 440,
-                  reps: int = 3, progress: bool = True) -> list[dict[str, Any]]:
+                  reps: int = 3, progress: bool = True,
+                  store: AnswerStore | None = None) -> list[dict[str, Any]]:
     """One row per (variant, document count); see the module docstring. ``stock`` is always
-    run (the reference of ``kl_first_token`` and ``speedup_hit``)."""
+    run (the reference of ``kl_first_token`` and ``speedup_hit``), and so is the ``full@``
+    variant of each span variant's layout (the reference of ``kl_vs_layout``) when
+    ``variant_names`` lists it. Answers found in ``store`` are not computed again;
+    ``ttft_docs=0`` skips the TTFT columns (``None``)."""
     from tqdm.auto import tqdm
 
-    from span_workflows.apps.bench import documents
+    from span_workflows.apps.corpus import documents
 
-    names = ["stock", *[n for n in variant_names if n != "stock"]]
+    store = store or AnswerStore(None)
+    model = Path(str(getattr(engine, "model_dir", "model"))).name
+    names = ["stock", *dict.fromkeys(n for n in variant_names if n != "stock")]
     variants = [_variant(n) for n in names]
-    layouts = {_layout_name(v.options): VARIANTS[_layout_name(v.options)]
-               for v in variants if v.is_span and _layout_name(v.options) in VARIANTS}
-    runs = {v.name: v for v in [*variants, *layouts.values()]}
-    bar = tqdm(total=len(runs) * len(docs_counts) * count, desc="quality", unit="q",
+    bar = tqdm(total=len(variants) * len(docs_counts) * count, desc="quality", unit="q",
                disable=not progress)
     rows: list[dict[str, Any]] = []
     for n_docs in docs_counts:
         questions = make_questions(count, n_docs, seed)
         answers: dict[str, _Answers] = {}
-        for name, variant in runs.items():
-            bar.set_postfix_str(f"{name}, {n_docs} docs")
-            engine.reset_cache()
-            answers[name] = answer(engine, variant, questions, progress=bar.update)
         for variant in variants:
-            own = answers[variant.name]
-            layout = (answers.get(_layout_name(variant.options)) if variant.is_span else None)
-            rows.append(_row(variant, n_docs, own, answers["stock"], layout))
+            key = store.key(variant.name, n_docs, count, seed, model)
+            found = store.get(key)
+            if found is None:
+                bar.set_postfix_str(f"{variant.name}, {n_docs} docs")
+                engine.reset_cache()
+                found = answer(engine, variant, questions, progress=bar.update)
+                store.put(key, found)
+            else:
+                bar.update(count)
+            answers[variant.name] = found
+        for variant in variants:
+            layout = answers.get(_layout_name(variant.options)) if variant.is_span else None
+            rows.append(_row(variant, n_docs, answers[variant.name], answers["stock"], layout))
     bar.close()
+    if ttft_docs < 1:  # answers only
+        for row in rows:
+            row["ttft_hit_s"] = row["speedup_hit"] = None
+        return rows
     ttft_texts = documents(engine.tokenizer, ttft_docs, ttft_doc_tokens)
     ttft_question = "Which module do the documents describe first?"
     stock_ttft = hit_ttft(engine, None, ttft_texts, ttft_question, reps)
+    hits = {v.name: hit_ttft(engine, v.options, ttft_texts, ttft_question, reps)
+            for v in variants if v.is_span}
     for row in rows:
-        variant = runs[row["variant"]]
-        if variant.name == "stock":
+        if row["variant"] == "stock":
             row["ttft_hit_s"], row["speedup_hit"] = stock_ttft, 1.0
-        elif variant.is_span:
-            t = hit_ttft(engine, variant.options, ttft_texts, ttft_question, reps)
+        elif row["variant"] in hits:
+            t = hits[row["variant"]]
             row["ttft_hit_s"], row["speedup_hit"] = t, stock_ttft / t
         else:
             row["ttft_hit_s"] = row["speedup_hit"] = None
     return rows
+
+
+#: What ``bench quality`` runs unless ``--variants`` says otherwise.
+DEFAULT_VARIANTS = ("stock", "prefix", "prefix/link", "self", "self/link", "full@pad-after")
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (accuracy with its interval, per fact kind, KL, TTFT)."""
+    def pct(value: float | None) -> str:
+        return "–" if value is None or math.isnan(value) else f"{100 * value:.1f}"
+
+    def num(value: float | None, digits: int = 3) -> str:
+        return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
+
+    kinds = list(QUESTION_KINDS)
+    head = ["variant", "docs", "questions", "accuracy %", "95 % CI",
+            *[f"{k} %" for k in kinds], "KL vs stock", "KL vs layout", "hit TTFT (s)",
+            "speedup"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        speed = r.get("speedup_hit")
+        cells = [r["variant"], str(r["n_docs"]), str(r["questions"]), pct(r["accuracy"]),
+                 f"{pct(r['ci_low'])}–{pct(r['ci_high'])}",
+                 *[pct(r[f"acc_{k}"]) for k in kinds], num(r["kl_first_token"]),
+                 num(r["kl_vs_layout"]), num(r.get("ttft_hit_s"), 4),
+                 "–" if speed is None else f"{speed:.1f}×"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
+    """Accuracy (95 % intervals) per variant and document count, next to each span
+    variant's hit speedup over stock; saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    counts = sorted({r["n_docs"] for r in rows})
+    fig, (acc_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2),
+                                           gridspec_kw={"width_ratios": [2, 1]})
+    width = 0.8 / len(counts)
+    for j, n_docs in enumerate(counts):
+        by_name = {r["variant"]: r for r in rows if r["n_docs"] == n_docs}
+        xs = [i + (j - (len(counts) - 1) / 2) * width for i in range(len(names))]
+        acc = [100 * by_name[n]["accuracy"] if n in by_name else math.nan for n in names]
+        err = [[100 * (by_name[n]["accuracy"] - by_name[n]["ci_low"]) if n in by_name else 0
+                for n in names],
+               [100 * (by_name[n]["ci_high"] - by_name[n]["accuracy"]) if n in by_name else 0
+                for n in names]]
+        acc_ax.bar(xs, acc, width, yerr=err, capsize=3, label=f"{n_docs} documents")
+    acc_ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    acc_ax.set_ylabel("answers correct (%)")
+    acc_ax.set_title("invented-fact RAG answers (greedy)")
+    acc_ax.grid(True, axis="y", alpha=0.3)
+    acc_ax.legend()
+    fast = {r["variant"]: r["speedup_hit"] for r in rows if r.get("speedup_hit")}
+    speed_ax.bar(list(fast), list(fast.values()), color="tab:green")
+    speed_ax.set_yscale("log")
+    speed_ax.set_ylabel("stock TTFT / span-hit TTFT")
+    speed_ax.set_title("TTFT speedup, 16 documents reordered")
+    speed_ax.tick_params(axis="x", rotation=30)
+    speed_ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_quality(args: Any) -> int:
+    """``span-workflows bench quality``: run, print the table, write what was asked for."""
+    from span_workflows.apps.report import print_table
+    from span_workflows.engine import Engine
+
+    names = list(args.variants or DEFAULT_VARIANTS)
+    for name in names:
+        _variant(name)  # unknown names fail before the engine starts
+    if args.questions < 1:
+        from span_workflows.errors import SpanQueryError
+
+        raise SpanQueryError("--questions", "must be at least 1")
+    store = AnswerStore(args.answers)
+    engine = Engine(args.model, kv_cache_gib=4, progress=True)
+    try:
+        rows = bench_quality(engine, names, args.docs or [4, 8], args.questions,
+                             seed=args.seed, reps=args.reps, store=store)
+    finally:
+        engine.close()
+    print_table(rows)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown_table(rows))
+    if args.plot:
+        plot_quality(rows, args.plot)
+    return 0
 
 
 def _variant(name: str) -> Variant:
@@ -246,5 +394,6 @@ def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> floa
     return statistics.fmean(values) if values else float("nan")
 
 
-__all__ = ["MAX_TOKENS", "SYSTEM", "VARIANTS", "Variant", "answer", "bench_quality", "hit_ttft",
-           "kl_top", "wilson"]
+__all__ = ["DEFAULT_VARIANTS", "MAX_TOKENS", "SYSTEM", "VARIANTS", "AnswerStore", "Variant",
+           "answer", "bench_quality", "hit_ttft", "kl_top", "markdown_table", "plot_quality",
+           "run_quality"]

@@ -36,9 +36,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     if args.command != "serve":
-        # stdout carries results (``run --json`` is parsed by programs): vLLM logs to stderr.
+        # stdout carries results (``run --json`` is parsed by programs): vLLM logs to stderr,
+        # and only with --verbose (a user mistake is then one line, not a page of warnings).
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if args.verbose:
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        else:
+            quiet_logs()
     try:
         return int(args.func(args) or 0)
     except SpanQueryError as exc:
@@ -51,52 +55,88 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def quiet_logs() -> None:
+    """Hide vLLM's, transformers' and Python's warnings (what ``--verbose`` shows)."""
+    import logging
+    import warnings
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's C++ warnings
+    warnings.filterwarnings("ignore")
+    for name in ("vllm", "transformers", "torch"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _parser() -> argparse.ArgumentParser:
+    verbose = "show vLLM's log lines and library warnings (hidden otherwise)"
     parser = argparse.ArgumentParser(
-        prog="span-workflows", description="Span queries on vLLM: build, compile, run, serve."
+        prog="span-workflows", description="Span queries on vLLM: build, compile, run, serve.",
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help=verbose)
+    # Also after the command; SUPPRESS keeps a -v given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help=verbose)
     sub = parser.add_subparsers(dest="command")
 
-    demo = sub.add_parser("demo", help="RAG over the Python stdlib docs, span vs stock")
+    demo = sub.add_parser("demo", help="RAG over the Python stdlib docs, span vs stock",
+                          parents=[common])
     demo.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
     demo.set_defaults(func=_cmd_demo)
 
-    run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine")
-    run.add_argument("files", nargs="+", type=Path)
+    run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine",
+                         parents=[common])
+    run.add_argument("files", nargs="+", type=Path,
+                     help="span queries in JSON (spnl's IR), run in this order")
     run.add_argument("--json", action="store_true", help="print a JSON list of results")
     run.add_argument("--model", help="model for every g (name or local directory)")
     run.add_argument("--server", help="URL of a `span-workflows serve` server")
-    run.add_argument("--api-key", help="API key for --server")
+    run.add_argument("--api-key", default=os.environ.get("SPAN_WORKFLOWS_API_KEY"),
+                     help="API key for --server (default: $SPAN_WORKFLOWS_API_KEY)")
     run.add_argument("--stock", action="store_true", help="run as plain chat prompts (baseline)")
-    run.add_argument("--block-size", type=int, default=32)
+    run.add_argument("--block-size", type=int, default=32,
+                     help="KV block size of the embedded engine (default: 32)")
     run.set_defaults(func=_cmd_run)
 
-    comp = sub.add_parser("compile", help="print the optimized tree and token form")
-    comp.add_argument("files", nargs="+", type=Path)
+    comp = sub.add_parser("compile", help="print the optimized tree and token form",
+                          parents=[common])
+    comp.add_argument("files", nargs="+", type=Path, help="span queries in JSON (spnl's IR)")
     comp.add_argument("--model", help="model whose tokenizer to compile for")
-    comp.add_argument("--block-size", type=int, default=32)
+    comp.add_argument("--block-size", type=int, default=32,
+                      help="KV block size to align spans to (default: 32)")
     comp.set_defaults(func=_cmd_compile)
 
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible vLLM server with span queries",
         description="Any other option (or everything after --) is passed to vLLM's server, "
                     "e.g. span-workflows serve --model org/name -- --tensor-parallel-size 2",
+        parents=[common],
     )
     serve.add_argument("--model", help="local HF model directory or hub id "
                                        "(default: the bundled SmolLM2-135M)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", help="require this bearer token")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--api-key", help="require this bearer token (default: "
+                                         "$SPAN_WORKFLOWS_API_KEY, else $VLLM_API_KEY; prefer "
+                                         "those: the command line is visible to ps)")
     serve.add_argument("--block-size", type=int, default=None,
                        help="KV block size (default: 32 on CPU, vLLM's on a GPU)")
     serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size on CPU")
     _add_replica_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: rag, nested, reposition, compile, "
-                                         "locality, route")
-    bench.add_argument("name")
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    from span_workflows.apps.bench_options import BENCHMARKS, options_help
+
+    bench = sub.add_parser(
+        "bench", help=f"benchmarks: {', '.join(BENCHMARKS)}", parents=[common],
+        description="Run one benchmark: stock vLLM vs span queries, side by side.",
+        epilog=options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("name", choices=BENCHMARKS, metavar="NAME",
+                       help=f"the benchmark: {', '.join(BENCHMARKS)}")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, metavar="OPTIONS",
+                       help="the benchmark's options (below)")
     bench.set_defaults(func=_cmd_bench)
     return parser
 
@@ -165,10 +205,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
         results = [backend.execute(q) for q in queries]
     else:
         model, queries = pick_model(queries, args.model)
+        from span_workflows.apps.precheck import check_queries
+
+        check_queries(queries, None if model is None or _is_default(model) else model,
+                      args.block_size, span_mode=not args.stock,
+                      labels=[str(p) for p in args.files])
+        from span_workflows.apps.progress import engine_loading
         from span_workflows.engine import Engine
 
-        with Engine(None if model is None or _is_default(model) else model,
-                    block_size=args.block_size, progress=True) as engine:
+        with engine_loading():
+            engine = Engine(None if model is None or _is_default(model) else model,
+                            block_size=args.block_size, progress=True,
+                            load_progress=args.verbose)
+        with engine:
             results = []
             for q in queries:  # in order: later queries see what earlier ones cached
                 results.append(engine.stock(q) if args.stock else engine.execute(q))
@@ -240,6 +289,8 @@ def _add_replica_options(serve: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from span_workflows.serving.launch import serve
 
+    api_key = (args.api_key or os.environ.get("SPAN_WORKFLOWS_API_KEY")
+               or os.environ.get("VLLM_API_KEY"))
     if args.replicas is not None:
         from span_workflows.scaleout.deployment import ClusterOptions, serve_cluster
 
@@ -249,13 +300,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 model=args.model, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
                 extra_args=tuple(getattr(args, "vllm_args", [])), router=args.router,
                 capacity_tokens=args.capacity_tokens,
-                imbalance_threshold=args.imbalance_threshold, api_key=args.api_key)
+                imbalance_threshold=args.imbalance_threshold, api_key=api_key)
         except ValueError as exc:
             raise SpanQueryError("serve", str(exc)) from None
         serve_cluster(options, host=args.host, port=args.port, address=args.ray_address)
         return 0
-
-    serve(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
+    serve(model=args.model, host=args.host, port=args.port, api_key=api_key,
           block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
           extra_args=getattr(args, "vllm_args", []))
     return 0

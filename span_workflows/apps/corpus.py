@@ -219,7 +219,35 @@ def stdlib_index(*, progress: bool = True) -> VectorIndex:
     return VectorIndex(stdlib_passages(), progress=progress, desc="embedding stdlib docs")
 
 
+#: Modules whose documentation makes the benchmarks' filler documents.
+_TOKEN_DOC_MODULES = (
+    "json", "pathlib", "itertools", "functools", "collections", "datetime", "re", "asyncio",
+    "heapq", "bisect", "statistics", "textwrap", "shutil", "tempfile", "csv", "sqlite3",
+    "zipfile", "argparse", "logging", "random", "decimal", "fractions", "uuid", "hashlib",
+    "difflib", "enum", "dataclasses", "typing", "contextlib", "copy", "pickle", "threading",
+    "queue", "subprocess", "socket", "calendar", "tarfile", "glob", "weakref", "operator",
+)
+
+
+def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[str]:
+    """``count`` distinct documents of about ``doc_tokens`` tokens of real English text (the
+    standard library's documentation), deterministic: the benchmarks' filler documents."""
+    text = []
+    for name in _TOKEN_DOC_MODULES:
+        module = importlib.import_module(name)
+        text.append(module.__doc__ or "")
+        for attr in sorted(dir(module))[:40]:
+            doc = getattr(getattr(module, attr, None), "__doc__", None)
+            if isinstance(doc, str) and not attr.startswith("_"):
+                text.append(doc)
+    ids = tokenizer.encode("\n".join(text), add_special_tokens=False)
+    need = count * doc_tokens
+    while len(ids) < need:
+        ids = ids + ids
+    return [tokenizer.decode(ids[i * doc_tokens:(i + 1) * doc_tokens]) for i in range(count)]
+
+
 __all__ = [
-    "MAX_WORDS", "MIN_WORDS", "STDLIB_MODULES", "chunk_documents", "chunk_words",
+    "MAX_WORDS", "MIN_WORDS", "STDLIB_MODULES", "chunk_documents", "chunk_words", "documents",
     "module_documents", "stdlib_index", "stdlib_passages", "word_count",
 ]

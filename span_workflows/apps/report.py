@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,19 @@ def print_table(rows: list[dict[str, Any]], console: Callable[[str], None] = pri
     console("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
     for c in cells:
         console("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+
+
+def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of ``successes / n`` as ``(low, high)``
+    (``(0, 1)`` when ``n`` is 0: nothing is known)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # The interval holds p exactly (at p = 0 or 1, centre ± half misses it by rounding).
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def _fmt(value: Any) -> str:
@@ -49,4 +63,4 @@ def plot(rows: list[dict[str, Any]], x: str, ys: Sequence[str], path: Path, titl
     plt.close(fig)
 
 
-__all__ = ["plot", "print_table"]
+__all__ = ["plot", "print_table", "wilson"]

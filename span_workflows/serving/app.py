@@ -8,6 +8,11 @@ FastAPI app and engine client (``AsyncLLM``, engine core in its own process, whe
 * ``POST /v1/query/execute`` — span queries, plain or streamed (the protocol:
   :mod:`span_workflows.serving.wire`), executed by a
   :class:`~span_workflows.serving.service.SpanQueryService`;
+* spnl's request form on the same path (``text/plain``, ``?stream=``, ``?format=``), answered
+  in OpenAI shapes (:mod:`span_workflows.serving.spnl_route`), and ``GET /v1/query/schema``
+  (:mod:`span_workflows.serving.query_schema`);
+* ``spans`` on vLLM's ``POST /v1/chat/completions`` (:mod:`span_workflows.serving.chat_route`):
+  a body with them is a span query, any other body goes to vLLM unchanged;
 * the span counters on ``/metrics`` (``span_<name>_total``, names and help in
   :data:`span_vllm.contract.STAT_HELP`), fetched from the engine core when ``/metrics`` is
   scraped.
@@ -30,7 +35,10 @@ from starlette.requests import Request as HttpRequest
 from span_vllm import contract
 from span_workflows.errors import SpanQueryError
 from span_workflows.serving import wire
+from span_workflows.serving.chat_route import install_chat_route
+from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
 from span_workflows.serving.service import SpanQueryService
+from span_workflows.serving.spnl_route import openai_form_response, url_options
 from span_workflows.streaming import PartStream
 
 DEFAULT_HOST = "127.0.0.1"
@@ -51,11 +59,18 @@ def make_router(max_body: int = wire.MAX_BODY_BYTES) -> Any:
 
     router = APIRouter()
 
+    @router.get(SCHEMA_PATH)
+    async def schema() -> Any:
+        return JSONResponse(query_schema())
+
     @router.post(wire.EXECUTE_PATH)
     async def execute(request: HttpRequest) -> Any:
         service: SpanQueryService = request.app.state.span_service
         try:
             query = wire.parse_body(await _read_body(request, max_body))
+            query, openai_form = url_options(request, query)  # spnl's form
+            if openai_form:
+                return await openai_form_response(request, query)
             if not query.stream:
                 result = await service.execute(
                     query.node, optimize_query=query.optimize, span_options=query.span_options,
@@ -196,6 +211,7 @@ def install(app: Any, service: SpanQueryService, *, max_body: int = wire.MAX_BOD
 
     app.state.span_service = service
     app.include_router(make_router(max_body))
+    install_chat_route(app)  # /v1/chat/completions with "spans"
     # vLLM's /metrics, with the span counters fetched from the engine core first. Put ahead of
     # vLLM's own /metrics routes (the middleware stack is already built, so no middleware).
     from fastapi.routing import APIRoute

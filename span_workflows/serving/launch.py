@@ -101,6 +101,9 @@ def server_command(
         cmd += ["--max-model-len", str(int(max_model_len))]
     if api_key:
         cmd += ["--api-key", api_key]
+    if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
+        # The default model answers to its short name as well as to its path.
+        cmd += ["--served-model-name", reference, DEFAULT_MODEL_NAME]
     cmd += [str(a) for a in extra_args]
     return cmd
 
@@ -109,8 +112,11 @@ def server_env(
     model: str | Path | None = None,
     kv_cache_gib: int = 2,
     base: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> dict[str, str]:
-    """The environment of the server: span mode on, its layout key, vLLM's settings.
+    """The environment of the server: span mode on, its layout key, vLLM's settings, and the
+    API key as ``VLLM_API_KEY`` when one is given (the environment, unlike the command line,
+    is not visible to other users' ``ps``).
 
     A local model runs with ``HF_HUB_OFFLINE=1`` (nothing to download); a hub id with the
     caller's setting (``HF_HUB_OFFLINE=0`` unless set), so vLLM can fetch it."""
@@ -119,6 +125,8 @@ def server_env(
     env.setdefault("HF_HUB_OFFLINE", "1" if local else "0")
     contract.enable(env, kv_cache_gib=kv_cache_gib)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     return env
 
 
@@ -139,8 +147,8 @@ def serve(
     "bfloat16"]``); ``block_size=None`` means 32 on CPU, vLLM's default on a GPU.
     Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an unknown model.
     """
-    cmd = server_command(model, host, port, api_key, block_size, extra_args)
-    env = server_env(model, kv_cache_gib)
+    cmd = server_command(model, host, port, None, block_size, extra_args)
+    env = server_env(model, kv_cache_gib, api_key=api_key)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
@@ -169,9 +177,9 @@ def start_server_process(
     import httpx
 
     port = free_port(host) if port is None else int(port)
-    cmd = server_command(model, host, port, api_key, block_size, extra_args,
+    cmd = server_command(model, host, port, None, block_size, extra_args,
                          max_model_len=max_model_len)
-    env = server_env(model, kv_cache_gib)
+    env = server_env(model, kv_cache_gib, api_key=api_key)
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from span_vllm import contract
@@ -35,14 +36,17 @@ class SpanQueryService:
 
     async def execute(self, node: Node, *, optimize_query: bool = True,
                       stream: PartStream | None = None, span_options: SpanOptions | None = None,
-                      cache_salt: str | None = None) -> Result:
-        """Run one parsed query; with ``stream``, its answer's text is streamed as it grows."""
+                      cache_salt: str | None = None,
+                      sampling: Mapping[str, Any] | None = None) -> Result:
+        """Run one parsed query; with ``stream``, its answer's text is streamed as it grows.
+        ``sampling``: more vLLM ``SamplingParams`` fields for the answer's own generations
+        (see :func:`span_workflows.vllm_io.sampling_params`)."""
         settings = QuerySettings(span_options or self.planner.compiler.options, cache_salt)
         plan = self.planner.plan_query(self.planner.normalize(node, optimize_query),
                                        True, settings)
 
         async def run(req: Request) -> Output:
-            return await self._run(req, stream)
+            return await self._run(req, stream, sampling)
 
         [result] = await drive_async([plan], run, self._probe)
         return result
@@ -55,9 +59,11 @@ class SpanQueryService:
             answers.append(bool(hit))
         return answers
 
-    async def _run(self, req: Request, stream: PartStream | None) -> Output:
+    async def _run(self, req: Request, stream: PartStream | None,
+                   sampling: Mapping[str, Any] | None = None) -> Output:
         run = RequestRun(req, time.perf_counter(), stream)
-        outputs = self.engine.generate(tokens_prompt(req), sampling_params(req, self.layout_key),
+        outputs = self.engine.generate(tokens_prompt(req),
+                                       sampling_params(req, self.layout_key, sampling),
                                        f"span-{uuid.uuid4().hex}")
         async for out in outputs:
             if run.see(out, time.perf_counter()):

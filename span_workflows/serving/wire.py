@@ -7,7 +7,9 @@ query in spnl's JSON IR, bare, or wrapped as ``{"query": Q, "stream": false, "op
 ``query`` optional). Written by :func:`request_body`, read by :func:`parse_body`.
 
 **Answer** (200): ``{"text", "texts", "usage": {"prompt_tokens", "cached_tokens",
-"completion_tokens", "total_tokens"}, "metrics": {<Metrics.to_dict()>}}``. Written by
+"completion_tokens", "total_tokens"}, "metrics": {<Metrics.to_dict()>}, "finish_reason":
+"stop" | "length" | "tool_calls", "tool_calls": [{"id", "name", "arguments"}, ...]}``
+(``tool_calls`` only when the answer calls tools). Written by
 :func:`result_body`, read by :func:`parse_result`.
 
 **Errors**: an invalid query is a 400 ``{"error": {"message": "<path>: <what>", "type":
@@ -34,6 +36,7 @@ from span_workflows.ir import Node
 from span_workflows.json_ir import from_json, parse_json, to_obj
 from span_workflows.layout import SpanOptions
 from span_workflows.result import Metrics, Result
+from span_workflows.sampling import ToolCall
 
 EXECUTE_PATH = "/v1/query/execute"
 HEALTH_PATH = "/health"
@@ -109,15 +112,22 @@ def parse_body(body: bytes) -> QueryBody:
 
 def result_body(result: Result) -> dict[str, Any]:
     """The JSON answer of an executed query."""
-    return {"text": result.text, "texts": list(result.texts), "usage": result.metrics.usage(),
-            "metrics": result.metrics.to_dict()}
+    body = {"text": result.text, "texts": list(result.texts), "usage": result.metrics.usage(),
+            "metrics": result.metrics.to_dict(), "finish_reason": result.finish_reason}
+    if result.tool_calls:
+        body["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                              for c in result.tool_calls]
+    return body
 
 
 def parse_result(data: dict[str, Any]) -> Result:
     """The :class:`Result` of a JSON answer (or of a stream's ``done`` event)."""
     text = str(data.get("text", ""))
     texts = [str(t) for t in data.get("texts") or [text]]
-    return Result(text, Metrics.from_dict(data.get("metrics") or {}), texts)
+    calls = [ToolCall(str(c["name"]), dict(c["arguments"]), str(c["id"]))
+             for c in data.get("tool_calls") or []]
+    return Result(text, Metrics.from_dict(data.get("metrics") or {}), texts,
+                  finish_reason=str(data.get("finish_reason") or "stop"), tool_calls=calls)
 
 
 def error_body(exc: SpanQueryError) -> dict[str, Any]:

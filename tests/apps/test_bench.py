@@ -72,3 +72,12 @@ def test_locality_bench_scores_flat_tournament_and_the_needle_pair(engine) -> No
     # the first-round judge reads two candidates, the flat judge all eight
     assert row["round1_prompt_tokens"] < row["flat_prompt_tokens"]
     assert "round-1 judge EM" in markdown_table(rows)
+
+
+
+def test_hashing_rows_cover_each_length_plain_and_with_spans() -> None:
+    """Rows only (that the work per block is constant is counted, not timed, in
+    tests/server/test_span_hashing.py)."""
+    rows = bench.bench_hashing((1024, 4096), reps=1)
+    assert [(r["tokens"], r["blocks"]) for r in rows] == [(1024, 64), (4096, 256)]
+    assert all(r["plain_us_per_block"] > 0 and r["spans_us_per_block"] > 0 for r in rows)

@@ -36,8 +36,11 @@ def test_spans_are_block_aligned_padded_and_described_by_segments(compiler) -> N
     assert kinds == ["prefix", "plus", "plus", "cross"]
     for span in tq.spans[:-1]:
         assert span.offset % BS == 0 and span.length % BS == 0
-    assert list(tq.segments) == [(tq.spans[1].offset, ANCHORED), (tq.spans[2].offset, ANCHORED),
-                                 (tq.spans[3].offset, ORDERED)]
+    assert [s[:2] for s in tq.segments] == [(tq.spans[1].offset, ANCHORED),
+                                            (tq.spans[2].offset, ANCHORED),
+                                            (tq.spans[3].offset, ORDERED)]
+    # the default links the second span's first block (the first already follows the prefix)
+    assert [len(s) for s in tq.segments] == [2, 3, 2]
     assert compiler.tokens.marker not in tq.token_ids  # no marker unless asked for
     for span in tq.spans[:-1]:
         assert all(tq.token_ids[i] == compiler.tokens.pad for i in span.padding)
@@ -58,7 +61,7 @@ def test_prefix_mode_prepares_each_span_after_the_prefix(compiler) -> None:
 def test_self_mode_prepares_each_span_alone(compiler) -> None:
     tq = compiler.compile_generate(optimize(rag("sys", ["one doc", "two " * 50], "q?")),
                                    options=SpanOptions(attend="self"))
-    assert [k for _, k in tq.segments] == [ISOLATED, ISOLATED, ORDERED]
+    assert [s[1] for s in tq.segments] == [ISOLATED, ISOLATED, ORDERED]
     for span, prep in zip(tq.spans[1:3], tq.prepare[1:], strict=True):
         assert prep.token_ids == tuple(tq.token_ids[span.offset: span.offset + span.length])
         assert prep.segments == ((0, ISOLATED),)
@@ -147,7 +150,7 @@ def test_nested_outputs_are_cropped_to_whole_blocks_or_padded(tokenizer, crop) -
         prompt = inner_prompt.token_ids
         nested[path] = NestedOutput(prompt, tuple(range(100, 100 + 50)), "x")
     tq = compiler.compile_generate(tree, nested)
-    assert [k for _, k in tq.segments if k != ORDERED] == [ISOLATED, ISOLATED]
+    assert [s[1] for s in tq.segments if s[1] != ORDERED] == [ISOLATED, ISOLATED]
     generated = [s for s in tq.spans if s.kind == "generated"]
     assert len(generated) == 2
     total = len(prompt) + 50

@@ -12,7 +12,6 @@ from span_workflows.layout import SpanOptions
 pytestmark = pytest.mark.engine
 
 
-
 def _ordered_rag(docs: list[str], question: str = QUESTION, max_tokens: int = 16) -> Generate:
     """A RAG query already in optimized form but with the documents in the order given."""
     return Generate(
@@ -40,6 +39,23 @@ def test_reordered_documents_hit_the_cache_and_answer_like_a_fresh_engine(engine
     assert "Glimmerton" in second.text
 
 
+@pytest.mark.parametrize("options", [
+    SpanOptions(pad="inside"), SpanOptions(pad="before"), SpanOptions(marker=True),
+    SpanOptions(attend="self", pad="before"), SpanOptions(pad_text=" "),
+], ids=["pad-inside", "pad-before", "marker", "self-pad-before", "pad-space"])
+def test_every_layout_hits_in_any_order_and_answers_like_a_fresh_engine(
+        engine, options: SpanOptions) -> None:
+    engine.reset_cache()
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options=options)
+    moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, span_options=options)
+    assert moved.metrics.prepare_requests == 0
+    assert moved.metrics.cached_tokens >= _doc_tokens(moved)
+    engine.reset_cache()
+    fresh = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, span_options=options)
+    assert fresh.metrics.prepare_requests > 0
+    assert moved.text == fresh.text
+
+
 @pytest.fixture(scope="module")
 def reference(engine):
     from span_workflows.apps.attention_reference import AttentionReference
@@ -62,7 +78,8 @@ def test_repositioned_logits_match_the_attention_reference_of_the_mode(
     moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5,
                            span_options=options)
     assert moved.metrics.cached_tokens > 0
-    assert moved.metrics.prepare_requests == len(moved.query.links)  # new order: new links
+    assert moved.metrics.prepare_requests == 0  # every span cached ...
+    assert moved.metrics.link_requests == len(moved.query.links)  # ... new order: new links
     expected = reference.generate(moved.query, attend, max_tokens=0,
                                   link_tokens=link_blocks * engine.block_size).first_logprobs
     full = reference.generate(moved.query, "full", max_tokens=0).first_logprobs

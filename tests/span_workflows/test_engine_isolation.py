@@ -10,6 +10,7 @@ from engine_texts import SYSTEM, A, B, C
 from span_vllm import contract
 from span_workflows.compile import SpanPrompt
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.layout import SpanOptions
 from span_workflows.plan import Probe, Request
 
 pytestmark = pytest.mark.engine
@@ -56,9 +57,11 @@ def test_tail_after_spans_computed_in_context_is_never_reused(engine) -> None:
 
 def test_a_hit_on_a_span_computed_in_the_same_step_waits_for_its_kv(engine) -> None:
     """Prepares and the main request submitted together: the main request's span B must move
-    from where its prepare computes it, so vLLM must not adopt it before it is computed."""
+    from where its prepare computes it, so vLLM must not adopt it before it is computed (no
+    link blocks: a linked block is recomputed in place, never adopted from elsewhere)."""
     q = _query([A, B])
-    tq = engine.compile(q)
+    unlinked = SpanOptions(link_blocks=0)
+    tq = engine.compile(q, span_options=unlinked)
     engine.reset_cache()
     deferred = engine.span_stats()["deferred_hits"]
     outs = engine._run([Request.prepare(p) for p in tq.prepare]
@@ -66,7 +69,7 @@ def test_a_hit_on_a_span_computed_in_the_same_step_waits_for_its_kv(engine) -> N
     assert engine.span_stats()["deferred_hits"] > deferred
     together = outs[-1]
     engine.reset_cache()
-    fresh = engine.execute(q)
+    fresh = engine.execute(q, span_options=unlinked)
     assert together.token_ids[0] == fresh.token_ids
     assert together.cached_tokens == fresh.metrics.cached_tokens
 

@@ -284,7 +284,8 @@ def test_node_objects_need_exactly_one_key(obj: dict, message: str) -> None:
          "g inline_prompt must be a boolean, got a string"),
         ({"g": {"input": {"user": "x"}, "max_token": 5}}, "",
          "unknown field 'max_token' in g (expected model, input, max_tokens, temperature, n, "
-         "inline_prompt)"),
+         "inline_prompt, top_p, top_k, seed, logprobs, presence_penalty, frequency_penalty, "
+         "stop, json_schema, tools, tool_choice, used_tools)"),
         ({"g": "x"}, "", "g must be an object, got a string"),
         ({"plus": ["text"]}, "plus[0]", "expected a node object, got a string"),
         ({"fragment": {"source": "s"}}, "", "fragment is missing 'text'"),
@@ -424,3 +425,21 @@ def test_parse_json_is_strict() -> None:
     assert parse_json(' {"a": [1, 2.5e3, -0, true, null, "x\\u00e9"]} ') == {
         "a": [1, 2500.0, 0, True, None, "xé"]
     }
+
+
+def test_sampling_options_round_trip_and_unknown_ones_are_refused() -> None:
+    text = ('{"g": {"input": {"user": "hi"}, "max_tokens": 5, "top_p": 0.9, "top_k": 4, '
+            '"seed": 3, "stop": ["\\n"], "tools": [{"type": "function", "function": '
+            '{"name": "f", "description": "d", "parameters": {"type": "object"}}}], '
+            '"tool_choice": "f"}}')
+    node = from_json(text)
+    assert node.sampling.top_k == 4 and node.sampling.tools[0].name == "f"
+    assert from_json(to_json(node)) == node
+    schema = from_json('{"g": {"input": {"user": "hi"}, "json_schema": {"type": "object"}}}')
+    assert schema.sampling.json_schema == '{"type":"object"}'
+    plain = from_json('{"g": {"input": {"user": "hi"}}}')
+    assert "top_p" not in to_json(plain)  # spnl queries are written as before
+    with pytest.raises(SpanQueryError, match="g: tool_choice must be one of"):
+        from_json('{"g": {"input": {"user": "hi"}, "tool_choice": "f"}}')
+    with pytest.raises(SpanQueryError, match="top_p must be a number"):
+        from_json('{"g": {"input": {"user": "hi"}, "top_p": "high"}}')

@@ -12,6 +12,7 @@ streaming is token by token on both the embedded engine and a server.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -20,12 +21,27 @@ from langchain_core.callbacks import (
     CallbackManagerForLLMRun,
 )
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    ToolMessage,
+)
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.utils import from_env, secret_from_env
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
+from langchain_span_workflows.tools import (
+    ToolsMixin,
+    ai_message_text,
+    called_this_turn,
+    sampling_options,
+    tool_call_chunks,
+    tool_calls_of,
+    tool_result_text,
+)
 from span_workflows.fragments import lift_messages
 from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
@@ -33,7 +49,7 @@ from span_workflows.result import Result
 from span_workflows.runner import QueryRunner
 
 
-class SpanChatModel(BaseChatModel, QueryRunner):
+class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
     """A chat model served by span queries: retrieved documents commute and hit the span cache.
 
     Runs on any query backend (``backend=``), a span server (``server_url=``, default
@@ -49,12 +65,20 @@ class SpanChatModel(BaseChatModel, QueryRunner):
 
     ``last_result`` holds the :class:`span_workflows.result.Result` of the latest call (its
     ``metrics`` and, on the embedded engine, its compiled ``query``).
+
+    Tools (``bind_tools``) and structured output (``with_structured_output``) are generated
+    under vLLM's structured outputs, so the answer is always a valid call or valid JSON (see
+    :mod:`span_workflows.sampling`). Sampling options (``top_p``, ``top_k``, ``seed``,
+    ``logprobs``, penalties, ``stop``) go to vLLM's sampler; an option it does not know is
+    refused with ``ValueError``.
     """
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
     model_name: str = Field(default=DEFAULT_MODEL_NAME, alias="model")
-    """Name reported in metadata (the engine serves one model)."""
+    """The model: the default's name or a local Hugging Face model directory. Without
+    ``backend``/``server_url``/``engine``, the process's default engine loads it on first use
+    (one model per process: another raises ``ValueError``)."""
     backend: Any = Field(default=None, exclude=True)
     """A ``span_workflows.backend.QueryBackend`` (an ``Engine`` or a ``SpanServer``)."""
     engine: Any = Field(default=None, exclude=True)
@@ -70,7 +94,23 @@ class SpanChatModel(BaseChatModel, QueryRunner):
     max_tokens: int = 256
     temperature: float = 0.0
     stop: list[str] | None = None
-    """Stop sequences, applied to the generated text."""
+    """Stop sequences: generation ends at the first one (it is not returned)."""
+    top_p: float | None = None
+    """Nucleus sampling: sample from the smallest set of tokens this probable."""
+    top_k: int | None = None
+    """Sample from the k most probable tokens (``None``/0: all)."""
+    seed: int | None = None
+    """Seed of this model's sampling: equal seeds, equal samples."""
+    logprobs: int | None = None
+    """Top log-probabilities to return per generated token (``response_metadata``)."""
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = 1
+    """Samples per call: one ``ChatGeneration`` each."""
+    tool_once_per_turn: bool = False
+    """With tools bound: a tool already called since the last human message is not offered
+    again (it stays described, so the prompt's prefix is unchanged); once every tool has been
+    called, the model answers. Keeps a small model from calling one tool in a loop."""
     timeout: float | None = None
     max_retries: int = 0
     streaming: bool = False
@@ -108,13 +148,36 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         return params
 
     # -- queries --------------------------------------------------------------------------------
-    def to_query(self, messages: Sequence[BaseMessage], **kwargs: Any) -> Generate:
-        """The span query these chat messages become (fragments lifted into plus spans)."""
-        return lift_messages(
-            [(role_of_message(m), m.text) for m in messages],
-            max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
-            temperature=float(kwargs.get("temperature", self.temperature)),
-        )
+    def to_query(self, messages: Sequence[BaseMessage], stop: list[str] | None = None,
+                 **kwargs: Any) -> Generate:
+        """The span query these chat messages become (fragments lifted into plus spans;
+        consecutive tool results commuting). ``kwargs`` are this call's options: ``max_tokens``,
+        ``temperature``, sampling options, ``tools``/``tool_choice`` (from ``bind_tools``),
+        ``response_format`` (a JSON schema); anything else raises ``ValueError``."""
+        kwargs = dict(kwargs)
+        model = kwargs.pop("model", None)
+        if model is not None and model != self.model_name:
+            raise ValueError(f"this SpanChatModel serves {self.model_name!r}; a call cannot "
+                             f"switch to model {model!r}")
+        max_tokens = int(kwargs.pop("max_tokens", self.max_tokens))
+        temperature = float(kwargs.pop("temperature", self.temperature))
+        n = int(kwargs.pop("n", self.n))
+        sampling = sampling_options(self, kwargs, stop or self.stop)
+        names = {c["id"]: c["name"] for m in messages if isinstance(m, AIMessage)
+                 for c in m.tool_calls}
+        pairs = []
+        for m in messages:
+            if isinstance(m, ToolMessage):
+                pairs.append(("tool", tool_result_text(m, names.get(m.tool_call_id))))
+            elif isinstance(m, AIMessage):
+                pairs.append(("assistant", ai_message_text(m, sampling.uses_tools)))
+            else:
+                pairs.append((role_of_message(m), m.text))
+        if self.tool_once_per_turn and sampling.uses_tools:
+            sampling = dataclasses.replace(sampling, used_tools=called_this_turn(messages,
+                                                                                 sampling))
+        return lift_messages(pairs, max_tokens=max_tokens, temperature=temperature, n=n,
+                             sampling=sampling)
 
     # -- generation -----------------------------------------------------------------------------
     def _generate(
@@ -124,7 +187,7 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        result = self.execute(self.to_query(messages, **kwargs))
+        result = self.execute(self.to_query(messages, stop, **kwargs))
         return self._chat_result(result, stop)
 
     async def _agenerate(
@@ -134,7 +197,7 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        result = await self.aexecute(self.to_query(messages, **kwargs))
+        result = await self.aexecute(self.to_query(messages, stop, **kwargs))
         return self._chat_result(result, stop)
 
     def _stream(
@@ -144,8 +207,12 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
+        query = self.to_query(messages, stop, **kwargs)
+        if query.sampling.uses_tools:  # a call is only known whole: one chunk
+            yield self._whole_chunk(self.execute(query))
+            return
         cut = _StopCut(stop or self.stop)
-        for piece in self.stream_query(self.to_query(messages, **kwargs)):
+        for piece in self.stream_query(query):
             chunk = self._chunk(cut.add(piece.delta, last=piece.result is not None),
                                 piece.result)
             if run_manager and chunk.text:
@@ -160,8 +227,12 @@ class SpanChatModel(BaseChatModel, QueryRunner):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
+        query = self.to_query(messages, stop, **kwargs)
+        if query.sampling.uses_tools:  # a call is only known whole: one chunk
+            yield self._whole_chunk(await self.aexecute(query))
+            return
         cut = _StopCut(stop or self.stop)
-        async for piece in self.astream_query(self.to_query(messages, **kwargs)):
+        async for piece in self.astream_query(query):
             chunk = self._chunk(cut.add(piece.delta, last=piece.result is not None),
                                 piece.result)
             if run_manager and chunk.text:
@@ -170,17 +241,28 @@ class SpanChatModel(BaseChatModel, QueryRunner):
                 yield chunk
 
     def _chat_result(self, result: Any, stop: list[str] | None) -> ChatResult:
-        text = _apply_stop(result.text, stop or self.stop)
-        message = AIMessage(
-            content=text,
+        texts = [result.text] if result.tool_calls or len(result.texts) < 2 else result.texts
+        generations = [ChatGeneration(message=AIMessage(
+            content=_apply_stop(text, stop or self.stop),
+            tool_calls=tool_calls_of(result),
             usage_metadata=_usage(result),
             response_metadata=self._response_metadata(result),
-        )
+        )) for text in texts]
         return ChatResult(
-            generations=[ChatGeneration(message=message)],
+            generations=generations,
             llm_output={"model_name": self.model_name,
                         "token_usage": dict(_usage(result))},
         )
+
+    def _whole_chunk(self, result: Result) -> ChatGenerationChunk:
+        """The one chunk of a streamed answer that may call tools."""
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content=result.text,
+            tool_call_chunks=tool_call_chunks(result),
+            usage_metadata=_usage(result),
+            response_metadata=self._response_metadata(result),
+            chunk_position="last",
+        ))
 
     def _chunk(self, text: str, result: Result | None) -> ChatGenerationChunk:
         """A chunk of streamed text; the last one (with the result) also carries the usage
@@ -196,12 +278,16 @@ class SpanChatModel(BaseChatModel, QueryRunner):
 
     def _response_metadata(self, result: Any) -> dict[str, Any]:
         m = result.metrics
-        return {
+        meta = {
             "model_name": self.model_name, "model_provider": "span_workflows",
             "ttft_s": m.ttft_s, "latency_s": m.latency_s,
-            "prepare_requests": m.prepare_requests, "cached_tokens": m.cached_tokens,
-            "finish_reason": "stop",
+            "prepare_requests": m.prepare_requests, "link_requests": m.link_requests,
+            "cached_tokens": m.cached_tokens,
+            "finish_reason": result.finish_reason,
         }
+        if result.logprobs:
+            meta["logprobs"] = result.logprobs
+        return meta
 
 
 def role_of_message(message: BaseMessage) -> str:

@@ -62,17 +62,20 @@ class TestSpanChatModelIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        """Span queries generate text only: no tool calling (nor tool choice)."""
+        """Off here: the model has tool calling (test_lc_tools, test_lc_agent), but with
+        this suite's 4-token answers no call fits; at 48 tokens 13 of its 22 tool and
+        structured-output tests still fail (calls cut by max_tokens, schema mismatches)."""
         return False
 
     @property
     def has_structured_output(self) -> bool:
-        """No JSON schema or function-calling constrained decoding."""
+        """Off for the same reason as tool calling (see test_sampling_engine for JSON
+        schemas on the engine)."""
         return False
 
     @property
     def supports_json_mode(self) -> bool:
-        """No JSON mode."""
+        """Off for the same reason as tool calling."""
         return False
 
     @property

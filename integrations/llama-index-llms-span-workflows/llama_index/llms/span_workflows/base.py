@@ -11,6 +11,7 @@ by token on both the embedded engine and a server.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -28,25 +29,39 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import ToolSelection
 
 from span_workflows.fragments import commutative_outputs, lift_messages
 from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
 from span_workflows.result import Result
 from span_workflows.runner import Chunk, QueryRunner
+from span_workflows.sampling import Sampling, render_calls, render_content
 
 R = TypeVar("R", CompletionResponse, ChatResponse)
 
 
-class SpanLLM(CustomLLM, QueryRunner):
+class SpanLLM(CustomLLM, FunctionCallingLLM, QueryRunner):
     """A LlamaIndex LLM served by span queries: retrieved nodes commute and hit the span cache.
 
     Runs on any query backend (``backend=``), a span server (``server_url=``) or the embedded
     engine (``engine=``, or the process-wide default one, created on first use).
     ``last_result`` holds the :class:`span_workflows.result.Result` of the latest call.
+
+    A function-calling LLM (``FunctionAgent``, ``chat_with_tools``): tool calls are generated
+    under vLLM's structured outputs (:mod:`span_workflows.sampling`), returned in
+    ``message.additional_kwargs["tool_calls"]`` and read back by
+    :meth:`get_tool_calls_from_response`. In a history, a ``tool`` message is a user turn
+    ``Tool <name> returned: ...``; the results of one turn's calls commute (one plus span).
+    Chat options other than ``max_tokens``, ``temperature``, ``tools``, ``tool_choice`` and
+    the sampling options (``top_p``, ``top_k``, ``seed``, ``logprobs``, ``stop``, penalties)
+    are refused with ``ValueError``.
     """
 
-    model_name: str = Field(default=DEFAULT_MODEL_NAME, description="Name of the model.")
+    model_name: str = Field(default=DEFAULT_MODEL_NAME, description=(
+        "The model: the default's name or a local model directory, loaded by the process's "
+        "default engine on first use (one model per process)."))
     backend: Any = Field(default=None, exclude=True, description=(
         "A span_workflows QueryBackend (an Engine or a SpanServer)."))
     engine: Any = Field(default=None, exclude=True, description="An embedded Engine.")
@@ -58,13 +73,19 @@ class SpanLLM(CustomLLM, QueryRunner):
         "How many more times a server request is tried while the server cannot be reached."))
     max_tokens: int = Field(default=256, description="Tokens to generate at most.")
     temperature: float = Field(default=0.0, description="Sampling temperature.")
-    context_window: int = Field(default=8192, description="Context window in tokens.")
+    context_window: int | None = Field(default=None, description=(
+        "Context window in tokens; None: the embedded engine's max_model_len less a block "
+        "(a span's layout may pad its last block), or 8192 on a server."))
     span_options: Any = Field(default=None, description=(
         "What spans attend to and their layout: 'prefix', 'self', a dict or SpanOptions; "
         "None: the engine's or server's default."))
     cache_salt: str | None = Field(default=None, description=(
         "vLLM cache salt: this model's cached KV, spans included, is shared with no other "
         "salt."))
+
+    tool_once_per_turn: bool = Field(default=False, description=(
+        "With tools: a tool already called since the last user message is not offered again "
+        "(it stays described); once every tool has been called, the model answers."))
 
     _server: Any = PrivateAttr(default=None)
     _last_result: Any = PrivateAttr(default=None)
@@ -76,21 +97,89 @@ class SpanLLM(CustomLLM, QueryRunner):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(
-            context_window=self.context_window, num_output=self.max_tokens,
-            is_chat_model=True, model_name=self.model_name,
+            context_window=self._context_window(), num_output=self.max_tokens,
+            is_chat_model=True, is_function_calling_model=True, model_name=self.model_name,
         )
+
+    def _context_window(self) -> int:
+        if self.context_window is not None:
+            return self.context_window
+        if self.backend is None and self.server_url:
+            return 8192
+        backend = self.query_backend()
+        limit = getattr(backend, "max_model_len", None)
+        if limit is None:
+            return 8192
+        return int(limit) - int(getattr(backend, "block_size", 0))
 
     # -- queries --------------------------------------------------------------------------------
     def to_query(self, messages: Sequence[ChatMessage], **kwargs: Any) -> Generate:
-        """The span query these messages become (fragments lifted into plus spans)."""
-        pairs = [(role_name(m.role.value), m.content or "") for m in messages]
+        """The span query these messages become (fragments lifted into plus spans; the
+        results of one turn's tool calls commuting). ``kwargs``: see the class docstring."""
+        kwargs = dict(kwargs)
+        max_tokens = int(kwargs.pop("max_tokens", self.max_tokens))
+        temperature = float(kwargs.pop("temperature", self.temperature))
+        try:
+            sampling = Sampling.from_options({k: v for k, v in kwargs.items() if v is not None})
+        except ValueError as exc:
+            raise ValueError(f"SpanLLM: {exc}") from None
+        names = {c.get("id"): c.get("name") for m in messages
+                 for c in m.additional_kwargs.get("tool_calls", [])}
+        pairs = [_pair(m, names, sampling.uses_tools) for m in messages]
         if self.system_prompt and not any(role == "system" for role, _ in pairs):
             pairs.insert(0, ("system", self.system_prompt))
-        return lift_messages(
-            pairs,
-            max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
-            temperature=float(kwargs.get("temperature", self.temperature)),
-        )
+        if self.tool_once_per_turn and sampling.uses_tools:
+            called: set[str] = set()
+            for m in reversed(messages):
+                if m.role == MessageRole.USER:
+                    break
+                called.update(c["name"] for c in m.additional_kwargs.get("tool_calls") or [])
+            sampling = dataclasses.replace(
+                sampling, used_tools=tuple(t.name for t in sampling.tools if t.name in called))
+        return lift_messages(pairs, max_tokens=max_tokens, temperature=temperature,
+                             sampling=sampling)
+
+    # -- tools ----------------------------------------------------------------------------------
+    def _prepare_chat_with_tools(
+        self,
+        tools: Sequence[Any],
+        user_msg: str | ChatMessage | None = None,
+        chat_history: list[ChatMessage] | None = None,
+        verbose: bool = False,
+        allow_parallel_tool_calls: bool = False,
+        tool_required: bool = False,
+        tool_choice: str | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """The ``chat`` arguments of a call with ``tools`` (LlamaIndex tools)."""
+        messages = list(chat_history or [])
+        if user_msg is not None:
+            messages.append(user_msg if isinstance(user_msg, ChatMessage)
+                            else ChatMessage(role=MessageRole.USER, content=user_msg))
+        specs = [t.metadata.to_openai_tool() for t in tools]
+        choice = "required" if tool_required else (tool_choice or "auto")
+        return {"messages": messages, "tools": specs or None,
+                "tool_choice": choice if specs else None, **kwargs}
+
+    def _validate_chat_with_tools_response(
+        self, response: ChatResponse, tools: Sequence[Any],
+        allow_parallel_tool_calls: bool = False, **kwargs: Any,
+    ) -> ChatResponse:
+        """Without parallel calls, only the first call of the answer is kept."""
+        calls = response.message.additional_kwargs.get("tool_calls")
+        if not allow_parallel_tool_calls and calls and len(calls) > 1:
+            response.message.additional_kwargs["tool_calls"] = calls[:1]
+        return response
+
+    def get_tool_calls_from_response(
+        self, response: ChatResponse, error_on_no_tool_call: bool = True, **kwargs: Any,
+    ) -> list[ToolSelection]:
+        """The tool calls of a ``chat`` answer; none raises ``ValueError`` if asked."""
+        calls = response.message.additional_kwargs.get("tool_calls") or []
+        if not calls and error_on_no_tool_call:
+            raise ValueError("the answer calls no tool")
+        return [ToolSelection(tool_id=c["id"], tool_name=c["name"], tool_kwargs=c["arguments"])
+                for c in calls]
 
     # -- completion -----------------------------------------------------------------------------
     @llm_completion_callback()
@@ -148,12 +237,23 @@ class SpanLLM(CustomLLM, QueryRunner):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._responses(self.to_query(messages, **kwargs), _chat_delta)
+        query = self.to_query(messages, **kwargs)
+        if query.sampling.uses_tools:  # a call is only known whole: one response
+            return iter([_chat(self.execute(query), whole=True)])
+        return self._responses(query, _chat_delta)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage],
                            **kwargs: Any) -> ChatResponseAsyncGen:
-        return self._aresponses(self.to_query(messages, **kwargs), _chat_delta)
+        query = self.to_query(messages, **kwargs)
+        if query.sampling.uses_tools:
+            response = _chat(await self.aexecute(query), whole=True)
+
+            async def one() -> ChatResponseAsyncGen:
+                yield response
+
+            return one()
+        return self._aresponses(query, _chat_delta)
 
 
 def _usage(result: Result | None) -> dict[str, Any]:
@@ -175,9 +275,34 @@ def _completion_delta(text: str, chunk: Chunk) -> CompletionResponse:
                               raw={"usage": usage} if usage else None)
 
 
-def _chat(result: Result) -> ChatResponse:
-    return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-                        additional_kwargs=_usage(result), raw={"usage": _usage(result)})
+def _pair(message: ChatMessage, names: dict[Any, Any], tools_bound: bool) -> tuple[str, str]:
+    """``(role, text)`` of a history message, tool calls and results rendered as the model
+    generates and reads them."""
+    text = message.content or ""
+    if message.role == MessageRole.TOOL:
+        call_id = message.additional_kwargs.get("tool_call_id")
+        name = names.get(call_id) or message.additional_kwargs.get("name") or "tool"
+        return "tool", f"Tool {name} returned: {text}"
+    if message.role == MessageRole.ASSISTANT:
+        calls = message.additional_kwargs.get("tool_calls")
+        if calls:
+            return "assistant", render_calls([(c["name"], c["arguments"]) for c in calls])
+        return "assistant", render_content(text) if tools_bound else text
+    return role_name(message.role.value), text
+
+
+def _chat(result: Result, whole: bool = False) -> ChatResponse:
+    """The chat answer of ``result`` (its tool calls in ``additional_kwargs``); ``whole``:
+    also its delta, as the one response of a stream."""
+    extra: dict[str, Any] = {"finish_reason": result.finish_reason}
+    if result.tool_calls:
+        extra["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                               for c in result.tool_calls]
+    return ChatResponse(
+        message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text,
+                            additional_kwargs=extra),
+        delta=result.text if whole else None,
+        additional_kwargs=_usage(result), raw={"usage": _usage(result)})
 
 
 def _chat_delta(text: str, chunk: Chunk) -> ChatResponse:

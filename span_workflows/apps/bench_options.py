@@ -1,0 +1,77 @@
+"""The benchmarks of ``span-workflows bench`` and their options (light: read by ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+#: The benchmarks, by name.
+BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [p for p in text.split(",") if p]
+
+
+def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
+    """The options of benchmark ``name`` (every benchmark reads the ones it needs)."""
+    parser = argparse.ArgumentParser(prog=f"span-workflows bench {name}")
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG plot here")
+    parser.add_argument("--reps", type=int, default=3,
+                        help="repetitions per point; the median is reported (default: 3)")
+    parser.add_argument("--docs", type=_ints, default=None,
+                        help="rag, compile: numbers of documents (default: 1,2,4,8,16); "
+                             "quality: documents per question (default: 4,8)")
+    parser.add_argument("--doc-tokens", type=int, default=440,
+                        help="rag, compile: tokens per document (default: 440)")
+    parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16],
+                        help="nested: numbers of drafts the judge reads (default: 1,2,4,8,16)")
+    parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256],
+                        help="reposition: numbers of blocks moved (default: 1,16,64,256)")
+    parser.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
+    parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800],
+                        help="locality: characters of text around the needle "
+                             "(default: 0,200,400,800)")
+    parser.add_argument("--trials", type=int, default=8,
+                        help="locality: trials per point (default: 8)")
+    parser.add_argument("--positions", type=_names, default=["start", "middle", "end"],
+                        help="locality: needle positions (default: start,middle,end)")
+    parser.add_argument("--no-crop", action="store_true",
+                        help="locality: run with cropping off only (default: on and off)")
+    parser.add_argument("--markdown", type=Path,
+                        help="locality, quality: write the table here (Markdown)")
+    parser.add_argument("--copy-tokens", type=int, default=8,
+                        help="locality: tokens each inner generation copies (0: all)")
+    parser.add_argument("--variants", type=_names,
+                        help="quality: the variants to compare (stock is always run)")
+    parser.add_argument("--questions", type=int, default=200,
+                        help="quality: questions per document count (default: 200)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="quality: question-set seed (default: 0)")
+    parser.add_argument("--answers", type=Path,
+                        help="quality: keep answers here and resume from them")
+    return parser
+
+
+def options_help() -> str:
+    """The benchmarks and their options, as ``bench --help`` lists them."""
+    text = bench_parser().format_help()
+    options = text[text.index("options:"):] if "options:" in text else text
+    return ("benchmarks:\n"
+            "  rag         RAG TTFT: stock vs span miss vs span hit, by number of documents\n"
+            "  nested      judge/generator: the judge's TTFT, by number of drafts\n"
+            "  reposition  RoPE re-rotation throughput vs a plain copy, by blocks moved\n"
+            "  compile     optimize + compile time, as a share of a span-hit TTFT\n"
+            "  locality    needle extraction: flat judge vs tournament, crop on and off\n"
+            "  quality     invented-fact QA accuracy: stock vs every span mode\n"
+            "  route       routers over span-engine replicas (its own options: "
+            "bench route --help)\n\n"
+            "benchmark " + options)
+
+
+__all__ = ["BENCHMARKS", "bench_parser", "options_help"]

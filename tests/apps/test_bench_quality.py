@@ -1,0 +1,133 @@
+"""The quality benchmark: its question set, its statistics, resuming from stored answers, its
+table and plot, its CLI errors, and one tiny run on the real engine."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from span_workflows.apps import bench_quality as bq
+from span_workflows.apps.cli import main
+from span_workflows.apps.qa_set import QUESTION_KINDS, is_correct, make_questions
+from span_workflows.apps.report import wilson
+
+ROW_KEYS = {"variant", "n_docs", "questions", "accuracy", "ci_low", "ci_high",
+            *(f"acc_{k}" for k in QUESTION_KINDS), "kl_first_token", "kl_vs_layout",
+            "ttft_hit_s", "speedup_hit"}
+
+
+def test_each_question_is_answered_by_exactly_its_target_document() -> None:
+    questions = make_questions(120, n_docs=8, seed=3)
+    assert {q.fact for q in questions} == set(QUESTION_KINDS)
+    assert len({q.target for q in questions}) > 4  # the answer is not always in one place
+    for q in questions:
+        assert len(q.documents) == len(set(q.documents)) == 8
+        assert q.answer in q.answer_document
+        if q.fact != "when":  # names and towns are unique; two entities may share a year
+            assert sum(q.answer in d for d in q.documents) == 1, q
+
+
+def test_the_question_set_is_deterministic_per_seed() -> None:
+    assert make_questions(20, 4, seed=1) == make_questions(20, 4, seed=1)
+    assert make_questions(20, 4, seed=1) != make_questions(20, 4, seed=2)
+
+
+def test_answers_match_normalized_whole_words() -> None:
+    assert is_correct("Bram Holtfeather", "It was built by bram  HOLTFEATHER.")
+    assert is_correct("Zélmere", "near Zelmere, by the sea")
+    assert not is_correct("Bram Holtfeather", "Bram Holtfeathers built it")
+    assert not is_correct("1803", "in 18031")
+
+
+def test_wilson_interval_and_top_k_kl() -> None:
+    assert wilson(6, 6)[1] == 1.0 and wilson(0, 6)[0] == 0.0  # the interval holds p exactly
+    low, high = wilson(50, 100)
+    assert low < 0.5 < high and high - low == pytest.approx(0.192, abs=0.005)
+    same = {1: math.log(0.7), 2: math.log(0.3)}
+    assert bq.kl_top(same, same) == 0.0
+    assert bq.kl_top(same, {1: math.log(0.3), 2: math.log(0.7)}) > 0.3
+
+
+def _answers(correct: list[bool]) -> bq._Answers:
+    facts = [list(QUESTION_KINDS)[i % 3] for i in range(len(correct))]
+    return bq._Answers(correct, facts, [{7: -0.1, 8: -2.4}] * len(correct))
+
+
+def test_stored_answers_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "answers.json"
+    store = bq.AnswerStore(path)
+    key = store.key("prefix", 4, 3, 0, "m")
+    store.put(key, _answers([True, False, True]))
+    again = bq.AnswerStore(path).get(key)
+    assert again == _answers([True, False, True])
+    assert bq.AnswerStore(path).get(store.key("prefix", 8, 3, 0, "m")) is None
+
+
+def test_a_broken_answers_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "answers.json"
+    path.write_text("{not json")
+    assert main(["bench", "quality", "--answers", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--answers" in err and "Traceback" not in err
+
+
+def test_unknown_variant_fails_before_the_engine_starts(capsys) -> None:
+    assert main(["bench", "quality", "--variants", "stock,prefx"]) == 2
+    err = capsys.readouterr().err
+    assert "prefx" in err and "prefix/link" in err and "Traceback" not in err
+
+
+def test_table_and_plot(tmp_path: Path) -> None:
+    rows = [bq._row(bq.VARIANTS[name], n, _answers(c), _answers(c), None)
+            for name, c in (("stock", [True] * 3), ("prefix", [True, False, False]))
+            for n in (4, 8)]
+    for row in rows:
+        row["ttft_hit_s"], row["speedup_hit"] = 0.01, 10.0
+    table = bq.markdown_table(rows)
+    assert table.count("\n") == 2 + len(rows)
+    assert "| prefix | 8 | 3 | 33.3 |" in table
+    bq.plot_quality(rows, tmp_path / "quality.png")
+    assert (tmp_path / "quality.png").stat().st_size > 10_000
+
+
+class CountingEngine:
+    """The real engine, counting the calls that answer questions."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self._engine = engine
+        self.answering_calls = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        if name in ("execute_many", "complete_many"):
+            self.answering_calls += 1
+        return getattr(self._engine, name)
+
+
+@pytest.mark.engine
+def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
+    store = bq.AnswerStore(tmp_path / "answers.json")
+    counting = CountingEngine(engine)
+    names = ["prefix", "full@pad-after"]
+    rows = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
+                            progress=False, store=store)
+    assert counting.answering_calls == 3  # stock, prefix, full@pad-after: one batch each
+    assert [r["variant"] for r in rows] == ["stock", "prefix", "full@pad-after"]
+    by_name = {r["variant"]: r for r in rows}
+    for row in rows:
+        assert set(row) == ROW_KEYS and row["questions"] == 6
+        assert row["ci_low"] <= row["accuracy"] <= row["ci_high"]
+    assert by_name["stock"]["kl_first_token"] == 0.0  # stock against itself
+    assert by_name["prefix"]["kl_first_token"] > 0.0  # spans see less than the full prompt
+    assert by_name["prefix"]["kl_vs_layout"] is not None
+    assert by_name["prefix"]["speedup_hit"] > 0 and by_name["full@pad-after"]["ttft_hit_s"] is None
+    saved = json.loads((tmp_path / "answers.json").read_text())
+    assert len(saved) == 3
+
+    counting.answering_calls = 0
+    again = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
+                             progress=False, store=bq.AnswerStore(tmp_path / "answers.json"))
+    assert counting.answering_calls == 0  # every answer came from the file
+    assert [r["accuracy"] for r in again] == [r["accuracy"] for r in rows]
