@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -39,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.serving import wire
+from span_workflows.serving import chat_wire, spnl_wire, wire
 
 APP_NAME = "span-workflows"
 ROUTERS = ("span-affinity", "prefix-affinity", "power-of-two")
@@ -187,7 +188,7 @@ class SpanReplica:
         self.check_health()
         try:
             resp = await self.http.post(path, content=query.body,
-                                        headers={"Content-Type": "application/json"})
+                                        headers={"Content-Type": query.content_type})
         except httpx.HTTPError as exc:
             self.check_health()
             raise EngineDownError(f"span server of {self.name}: {exc}") from None
@@ -202,7 +203,7 @@ class SpanReplica:
         self.check_health()
         try:
             async with self.http.stream("POST", path, content=query.body,
-                                        headers={"Content-Type": "application/json"}) as resp:
+                                        headers={"Content-Type": query.content_type}) as resp:
                 yield ReplicaAnswer(resp.status_code, b"",
                                     resp.headers.get("content-type", wire.SSE_MEDIA_TYPE),
                                     self.name)
@@ -377,16 +378,26 @@ class SpanIngressCore:
             app = APP_NAME
         return router_for(app)
 
-    async def route(self, body: bytes) -> Any:
-        """The :class:`RoutedQuery` of an execute body (raises ``SpanQueryError`` if bad)."""
+    async def route(self, body: bytes, content_type: str = "application/json") -> Any:
+        """The parsed body and the :class:`RoutedQuery` of an execute body (raises
+        ``SpanQueryError`` if bad)."""
+        query = wire.parse_body(body)
+        routed = await self.route_node(query.node, body, content_type,
+                                       optimize_query=query.optimize,
+                                       span_options=query.span_options,
+                                       cache_salt=query.cache_salt)
+        return query, routed
+
+    async def route_node(self, node: Any, body: bytes, content_type: str = "application/json",
+                         **options: Any) -> Any:
+        """The :class:`RoutedQuery` that sends ``body`` (whose span query is ``node``) by
+        ``node``'s span keys; ``options``: the keyer's (optimize, span options, salt)."""
         from span_workflows.scaleout.ray_router import RoutedQuery
 
-        query = wire.parse_body(body)
         await self._prepare()
-        route = self.keyer.route(query.node, optimize_query=query.optimize,
-                                 span_options=query.span_options, cache_salt=query.cache_salt)
-        return query, RoutedQuery(body=body, keys=route.keys, prompt=route.prompt,
-                                  query_id=uuid.uuid4().hex)
+        route = self.keyer.route(node, **options)
+        return RoutedQuery(body=body, keys=route.keys, prompt=route.prompt,
+                           query_id=uuid.uuid4().hex, content_type=content_type)
 
     async def _call(self, method: str, query: Any, *, retry: bool = True,
                     args: Sequence[Any] = ()) -> Any:
@@ -442,8 +453,6 @@ class SpanIngressCore:
 
 
 def _error_answer(status: int, message: str) -> ReplicaAnswer:
-    import json
-
     err = SpanQueryError("", message)
     return ReplicaAnswer(status, json.dumps(wire.error_body(err)).encode(), "application/json")
 
@@ -482,33 +491,62 @@ def make_ingress_app(core_factory: Any) -> Any:
 
     @app.post(wire.EXECUTE_PATH)
     async def execute(request: Request) -> Response:
+        """Our query form and spnl's (``text/plain``, ``?stream=``, ``?format=``): the URL
+        travels to the replica as received, which answers in the shape asked for."""
         core = core_factory(request)
         if (denied := unauthorized(request, core)) is not None:
             return denied
         body = await request.body()
         if len(body) > wire.MAX_BODY_BYTES:
             return JSONResponse(wire.too_large_body(wire.MAX_BODY_BYTES), status_code=413)
+        content_type = request.headers.get("content-type") or "application/json"
         try:
-            parsed, query = await core.route(body)
+            parsed, query = await core.route(body, content_type)
+            stream = spnl_wire.url_stream(request.query_params)
         except SpanQueryError as exc:
             return JSONResponse(wire.error_body(exc), status_code=400)
-        if parsed.stream:
-            return await _streamed(core, query, StreamingResponse)
-        answer = await core.execute(query)
+        path = wire.EXECUTE_PATH + (f"?{request.url.query}" if request.url.query else "")
+        if parsed.stream if stream is None else stream:
+            return await _streamed(core, query, StreamingResponse, path)
+        answer = await core.execute(query, path)
         return Response(answer.body, status_code=answer.status, media_type=answer.media_type,
                         headers={"x-span-replica": answer.replica} if answer.replica else None)
 
-    @app.post("/v1/{rest:path}")
-    async def openai(rest: str, request: Request) -> Response:
-        """vLLM's OpenAI routes (chat, completions, ...), sent to the least loaded replica."""
-        from span_workflows.scaleout.ray_router import RoutedQuery
-
+    @app.post(chat_wire.CHAT_PATH)
+    async def chat(request: Request) -> Response:
+        """Chat completions: with ``spans``, routed by the spans' keys (streamed when asked);
+        without, as every other OpenAI route."""
         core = core_factory(request)
         if (denied := unauthorized(request, core)) is not None:
             return denied
-        query = RoutedQuery(body=await request.body(), query_id=uuid.uuid4().hex)
-        answer = await core.execute(query, f"/v1/{rest}")
+        body = await request.body()
+        if not chat_wire.has_spans(body):
+            return await openai_route(core, chat_wire.CHAT_PATH, body)
+        try:
+            chat = chat_wire.parse_span_chat(json.loads(body))
+        except SpanQueryError as exc:
+            return JSONResponse(wire.error_body(exc), status_code=400)
+        query = await core.route_node(chat.node, body, cache_salt=chat.cache_salt)
+        if chat.stream:
+            return await _streamed(core, query, StreamingResponse, chat_wire.CHAT_PATH)
+        answer = await core.execute(query, chat_wire.CHAT_PATH)
+        return Response(answer.body, status_code=answer.status, media_type=answer.media_type,
+                        headers={"x-span-replica": answer.replica} if answer.replica else None)
+
+    async def openai_route(core: SpanIngressCore, path: str, body: bytes) -> Response:
+        from span_workflows.scaleout.ray_router import RoutedQuery
+
+        query = RoutedQuery(body=body, query_id=uuid.uuid4().hex)
+        answer = await core.execute(query, path)
         return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
+
+    @app.post("/v1/{rest:path}")
+    async def openai(rest: str, request: Request) -> Response:
+        """vLLM's OpenAI routes (completions, ...), sent to the least loaded replica."""
+        core = core_factory(request)
+        if (denied := unauthorized(request, core)) is not None:
+            return denied
+        return await openai_route(core, f"/v1/{rest}", await request.body())
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -517,12 +555,14 @@ def make_ingress_app(core_factory: Any) -> Any:
     return app
 
 
-async def _streamed(core: SpanIngressCore, query: Any, response_class: Any) -> Any:
-    """Open the replica's stream (retrying once before its first byte) and pass it on."""
+async def _streamed(core: SpanIngressCore, query: Any, response_class: Any,
+                    path: str = wire.EXECUTE_PATH) -> Any:
+    """Open the replica's stream of ``path`` (retrying once before its first byte) and pass
+    it on."""
     from dataclasses import replace
 
     for attempt in range(2):
-        gen = core.handle.options(stream=True).stream.remote(query)
+        gen = core.handle.options(stream=True).stream.remote(query, path)
         try:
             head = await asyncio.wait_for(gen.__anext__(), core.options.request_timeout_s)
             break

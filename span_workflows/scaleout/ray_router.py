@@ -47,7 +47,8 @@ class RoutedQuery:
     ``body``: the request body as received; ``keys``: the query's span keys; ``prompt``: its
     messages' text in order (for Ray's text-prefix router); ``query_id``: names the call for
     :meth:`SpanAffinityRouter.replica_of`; ``target``: a replica's ``unique_id`` to send to
-    (nothing else); ``avoid``: replica ``unique_id`` s not to send to."""
+    (nothing else); ``avoid``: replica ``unique_id`` s not to send to; ``content_type``:
+    the body's, as received (spnl's clients send ``text/plain``)."""
 
     body: bytes = b""
     keys: tuple[SpanKey, ...] = ()
@@ -55,6 +56,7 @@ class RoutedQuery:
     query_id: str = ""
     target: str | None = None
     avoid: frozenset[str] = field(default_factory=frozenset)
+    content_type: str = "application/json"
 
 
 class SpanAffinityRouter(RequestRouter):

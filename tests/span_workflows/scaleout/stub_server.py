@@ -2,7 +2,9 @@
 without an engine. ``POST /v1/query/execute`` answers ``{"text": "stub <pid>"}``; a body
 containing ``DIE-ONCE`` makes the first such request (over all stub processes: a marker file in
 ``$STUB_DIR``) end the process before it answers, as a crashing engine would; with
-``"stream": true`` it answers server-sent events.
+``"stream": true`` (or ``?stream=true``) it answers server-sent events. Answers echo the URL's
+query string and the body's content type. ``POST /v1/chat/completions`` answers a
+``chat.completion`` (events when ``"stream": true``) naming the process.
 
 Run: ``python stub_server.py PORT``.
 """
@@ -35,12 +37,27 @@ async def execute(request: Request) -> Response:
         except FileExistsError:
             pass
     query = json.loads(body)
-    if query.get("stream"):
+    if query.get("stream") or request.query_params.get("stream") == "true":
         events = [{"delta": "stub "}, {"delta": str(os.getpid())}, {"done": True}]
-        return Response("".join(f"data: {json.dumps(e)}\n\n" for e in events),
-                        media_type="text/event-stream")
+        return _events(events)
     return JSONResponse({"text": f"stub {os.getpid()}", "texts": [], "metrics": {},
-                         "echo": bool(query.get("query"))})
+                         "echo": bool(query.get("query")), "url_query": request.url.query,
+                         "content_type": request.headers.get("content-type", "")})
+
+
+async def chat(request: Request) -> Response:
+    body = json.loads(await request.body())
+    message = {"role": "assistant", "content": f"stub {os.getpid()}"}
+    if body.get("stream"):
+        return _events([{"object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": message}]}])
+    return JSONResponse({"object": "chat.completion", "spans": len(body.get("spans") or []),
+                         "choices": [{"index": 0, "message": message}]})
+
+
+def _events(events: list[dict]) -> Response:
+    return Response("".join(f"data: {json.dumps(e)}\n\n" for e in events),
+                    media_type="text/event-stream")
 
 
 async def metrics(request: Request) -> Response:
@@ -52,7 +69,8 @@ async def metrics(request: Request) -> Response:
 
 
 app = Starlette(routes=[Route("/health", health), Route("/metrics", metrics),
-                        Route("/v1/query/execute", execute, methods=["POST"])])
+                        Route("/v1/query/execute", execute, methods=["POST"]),
+                        Route("/v1/chat/completions", chat, methods=["POST"])])
 
 if __name__ == "__main__":
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

@@ -4,6 +4,7 @@ mid-request: answered once more elsewhere, Ray replaces the replica)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from span_workflows.builders import rag
+from span_workflows.json_ir import to_obj
 from span_workflows.serving import wire
 
 ray = pytest.importorskip("ray")
@@ -79,6 +81,52 @@ def test_a_streamed_query_is_passed_through(cluster) -> None:
     assert text.startswith('data: {"delta": "stub "}') and '"done": true' in text
     plain = ask(cluster, DOCS[:3], "plain")
     assert resp.headers["x-span-replica"] == plain.headers["x-span-replica"]
+
+
+def chat(url: str, docs: list[str], question: str, **extra) -> httpx.Response:
+    context = "\n\n".join(docs)
+    body = {"model": "m", "messages": [{"role": "system", "content": "Answer briefly."},
+                                       {"role": "user", "content": f"{context}\n\n{question}"}],
+            "spans": docs, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=90)
+
+
+def test_chat_with_spans_follows_its_spans_in_any_order(cluster) -> None:
+    first = chat(cluster, DOCS[5:8], "Which?")
+    assert first.status_code == 200, first.text
+    assert first.json()["spans"] == 3  # the body reached the replica as sent
+    home = first.headers["x-span-replica"]
+    again = chat(cluster, [DOCS[7], DOCS[5], DOCS[6]], "Another?")
+    assert again.headers["x-span-replica"] == home
+    with httpx.stream("POST", cluster + "/v1/chat/completions", timeout=90,
+                      json={"model": "m", "spans": DOCS[5:7], "stream": True,
+                            "messages": [{"role": "user", "content": DOCS[6] + DOCS[5]}]}) as s:
+        assert s.status_code == 200 and s.headers["x-span-replica"] == home
+        assert "chat.completion.chunk" in "".join(s.iter_text())
+
+
+def test_chat_with_bad_spans_is_a_clear_error(cluster) -> None:
+    resp = chat(cluster, DOCS[:1], "Which?", spans=["not in the messages"])
+    assert resp.status_code == 400 and "spans" in resp.json()["error"]["message"]
+
+
+def test_spnl_form_keeps_its_url_and_content_type(cluster) -> None:
+    # spnl posts the bare query as text/plain; stream and format travel in the URL
+    body = json.dumps(to_obj(rag("Answer briefly.", DOCS[:3], "spnl?")))
+    plain = httpx.post(cluster + wire.EXECUTE_PATH + "?format=openai", content=body,
+                       headers={"Content-Type": "text/plain"}, timeout=90)
+    assert plain.status_code == 200, plain.text
+    assert plain.json()["url_query"] == "format=openai"
+    assert plain.json()["content_type"] == "text/plain"
+    home = plain.headers["x-span-replica"]
+    with httpx.stream("POST", cluster + wire.EXECUTE_PATH + "?stream=true", content=body,
+                      headers={"Content-Type": "text/plain"}, timeout=90) as resp:
+        assert resp.status_code == 200 and resp.headers["x-span-replica"] == home
+        assert resp.headers["content-type"].startswith(wire.SSE_MEDIA_TYPE)
+        assert '"done": true' in "".join(resp.iter_text())
+    bad = httpx.post(cluster + wire.EXECUTE_PATH + "?stream=maybe", content=body,
+                     headers={"Content-Type": "text/plain"}, timeout=30)
+    assert bad.status_code == 400 and "stream" in bad.text
 
 
 def test_metrics_are_labelled_by_replica(cluster) -> None:
