@@ -34,7 +34,8 @@ PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
 LAYERS: dict[str, tuple[str, ...]] = {
     "front": ("span_workflows", "runner", "backend", "engine", "serving", "serving.client",
               "serving.app", "serving.service", "serving.launch", "serving.chat_route",
-              "serving.spnl_route"),
+              "serving.spnl_route", "scaleout", "scaleout.affinity", "scaleout.keys",
+              "scaleout.simulate", "scaleout.ray_router", "scaleout.deployment"),
     "boundary": ("vllm_io", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments"),

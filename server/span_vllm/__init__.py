@@ -13,6 +13,8 @@ Public API (everything else is private to the plugin):
 * :func:`span_probe` ``(engine_core, prompts, salt=None)`` — in the engine-core process,
   which prompts have all their blocks in the prefix cache;
 * :func:`span_stats` ``()`` — this process's span-cache counters;
+* :func:`routing_block_keys` ``(token_ids, block_size, segments, salt=None)`` — block keys
+  of a span prompt under the engine's chain rules, for routers outside the engine;
 
   other processes ask the engine core with the utility calls of the same names, which run
   these two functions there;
@@ -34,7 +36,7 @@ from span_vllm import contract
 from span_vllm.config import enabled
 
 if TYPE_CHECKING:
-    from span_vllm.hashing import hash_blocks
+    from span_vllm.hashing import hash_blocks, routing_block_keys
     from span_vllm.patches import probe as span_probe
     from span_vllm.patches import span_stats
     from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
@@ -44,6 +46,7 @@ _LAZY = {
     "span_probe": ("span_vllm.patches", "probe"),
     "span_stats": ("span_vllm.patches", "span_stats"),
     "hash_blocks": ("span_vllm.hashing", "hash_blocks"),
+    "routing_block_keys": ("span_vllm.hashing", "routing_block_keys"),
     "RopeRotator": ("span_vllm.rotation", "RopeRotator"),
     "CpuKeyLayout": ("span_vllm.rotation", "CpuKeyLayout"),
     "PagedKeyLayout": ("span_vllm.rotation", "PagedKeyLayout"),
@@ -70,5 +73,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "hash_blocks", "register",
-    "span_probe", "span_stats",
+    "routing_block_keys", "span_probe", "span_stats",
 ]

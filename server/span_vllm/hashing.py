@@ -233,6 +233,32 @@ def hash_blocks(
     return SpanChain(hash_fn, layout, salt).extend(token_ids, block_size, extra_keys)
 
 
+def routing_block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    segments: Sequence[Sequence[Any]] = (),
+    salt: str | None = None,
+) -> list[bytes]:
+    """Hashes of the full blocks of a span prompt under the engine's chain rules, for routing
+    outside the engine: the same parents as :func:`hash_blocks` (a span's blocks name its own
+    tokens and its anchor, not its position among its siblings), hashed with SHA-256 of the
+    pickled block (the engine's own hash function may differ, so these keys name blocks
+    consistently across queries but are not the engine's block hashes)."""
+    import hashlib
+    import pickle
+
+    def sha256_pickle(obj: Any) -> bytes:
+        return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+
+    def salt_keys(begin: int, end: int) -> Any:  # vLLM keys the first block by the salt
+        return (salt,) if salt and begin == 0 else None
+
+    if not hasattr(kv_cache_utils, "NONE_HASH"):  # set by the engine; not in other processes
+        kv_cache_utils.init_none_hash(sha256_pickle)
+    return hash_blocks(token_ids, block_size, sha256_pickle, segments, salt=salt,
+                       extra_keys=salt_keys)
+
+
 def make_request_block_hasher(
     hash_block_size: int, caching_hash_fn: Callable[[Any], bytes], key: str | None
 ) -> Callable[[Any], list[bytes]]:
@@ -277,4 +303,4 @@ def _replay(request: Any, block_size: int, hash_fn: Callable[[Any], bytes],
 
 
 __all__ = ["BlockLayout", "SpanChain", "hash_blocks", "make_request_block_hasher",
-           "parse_layout", "request_layout"]
+           "parse_layout", "request_layout", "routing_block_keys"]

@@ -11,6 +11,7 @@ meaningful on a shared, noisy machine even when absolute times are not.
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query, and the plugin's block
   hashing cost per block at 1k / 32k / 128k tokens (plain and span layouts).
+* ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench_route`).
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
   rewrite, crop on and off (:mod:`span_workflows.apps.bench_locality`).
 * ``quality`` — answer accuracy of stock and every span mode on invented-fact RAG questions,
@@ -199,6 +200,10 @@ def bench_hashing(token_counts: Sequence[int] = (1024, 32768, 131072), block_siz
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
     """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table."""
+    if name == "route":
+        from span_workflows.apps.bench_route import run_route
+
+        return run_route(argv)
     from span_workflows.apps.bench_options import BENCHMARKS, bench_parser
 
     parser = bench_parser(name)

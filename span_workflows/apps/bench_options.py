@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 #: The benchmarks, by name.
-BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality")
+BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route")
 
 
 def _ints(text: str) -> list[int]:
@@ -68,7 +68,9 @@ def options_help() -> str:
             "  reposition  RoPE re-rotation throughput vs a plain copy, by blocks moved\n"
             "  compile     optimize + compile time, as a share of a span-hit TTFT\n"
             "  locality    needle extraction: flat judge vs tournament, crop on and off\n"
-            "  quality     invented-fact QA accuracy: stock vs every span mode\n\n"
+            "  quality     invented-fact QA accuracy: stock vs every span mode\n"
+            "  route       routers over span-engine replicas (its own options: "
+            "bench route --help)\n\n"
             "benchmark " + options)
 
 

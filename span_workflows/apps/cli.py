@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=None,
                        help="KV block size (default: 32 on CPU, vLLM's on a GPU)")
     serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size on CPU")
+    _add_replica_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
     from span_workflows.apps.bench_options import BENCHMARKS, options_help
@@ -267,11 +268,43 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_replica_options(serve: argparse.ArgumentParser) -> None:
+    """``serve --replicas N``: N span-engine replicas on Ray Serve (span_workflows.scaleout)."""
+    group = serve.add_argument_group("replicas (Ray Serve)")
+    group.add_argument("--replicas", type=int, default=None,
+                       help="run N span-engine replicas on Ray Serve behind one ingress")
+    group.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
+    group.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
+    group.add_argument("--router", default="span-affinity",
+                       choices=("span-affinity", "prefix-affinity", "power-of-two"))
+    group.add_argument("--imbalance-threshold", type=int, default=2,
+                       help="requests in flight beyond the lightest replica's before a "
+                            "query leaves the replica holding its spans")
+    group.add_argument("--capacity-tokens", type=int, default=None,
+                       help="span tokens remembered per replica (default: its KV cache)")
+    group.add_argument("--ray-address", default=None,
+                       help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from span_workflows.serving.launch import serve
 
     api_key = (args.api_key or os.environ.get("SPAN_WORKFLOWS_API_KEY")
                or os.environ.get("VLLM_API_KEY"))
+    if args.replicas is not None:
+        from span_workflows.scaleout.deployment import ClusterOptions, serve_cluster
+
+        try:
+            options = ClusterOptions(
+                replicas=args.replicas, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                model=args.model, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
+                extra_args=tuple(getattr(args, "vllm_args", [])), router=args.router,
+                capacity_tokens=args.capacity_tokens,
+                imbalance_threshold=args.imbalance_threshold, api_key=api_key)
+        except ValueError as exc:
+            raise SpanQueryError("serve", str(exc)) from None
+        serve_cluster(options, host=args.host, port=args.port, address=args.ray_address)
+        return 0
     serve(model=args.model, host=args.host, port=args.port, api_key=api_key,
           block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
           extra_args=getattr(args, "vllm_args", []))

@@ -1,0 +1,91 @@
+"""A query's span keys, for routing: the compiler's token form, hashed by the engine's rules.
+
+:class:`QueryKeyer` normalizes a query as the server will (:meth:`Planner.normalize`),
+compiles each of its G's (:meth:`Compiler.compile_generate`) and keys the blocks of every plus
+span with :func:`span_vllm.routing_block_keys` — the block hash chain the engine uses, so a
+span's keys name its tokens and its anchor (the ordered context before its plus), never its
+position among its siblings: the same documents retrieved in another order give the same keys.
+
+A G whose prompt depends on the output of a nested G (not known before it runs) is keyed
+without that output's span; a G that does not compile here (the server will report why) gives
+no keys, and the query is routed by load alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import span_vllm
+from span_workflows.compile import Compiler, TokenizedQuery
+from span_workflows.errors import SpanQueryError
+from span_workflows.ir import MESSAGE_TYPES, Generate, Node, iter_nodes
+from span_workflows.layout import SpanOptions
+from span_workflows.optimize import optimize
+
+
+@dataclass(frozen=True, slots=True)
+class QueryRoute:
+    """What a router needs of one query: its span keys and its prompt text in order (for
+    text-prefix routers such as Ray Serve LLM's ``PrefixCacheAffinityRouter``)."""
+
+    keys: tuple[Any, ...]
+    prompt: str = ""
+
+    @property
+    def span_tokens(self) -> int:
+        """Tokens in the query's keyed spans."""
+        return sum(k.tokens for k in self.keys)
+
+
+class QueryKeyer:
+    """Span keys of queries for one tokenizer and KV block size (the replicas' block size:
+    keys at another size would name other blocks)."""
+
+    def __init__(self, tokenizer: Any, block_size: int, *, with_prompt: bool = False) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        self.tokenizer = tokenizer
+        self.compiler = Compiler.for_tokenizer(tokenizer, block_size)
+        self.block_size = block_size
+        self.with_prompt = with_prompt
+
+    def route(self, node: Node, *, optimize_query: bool = True,
+              span_options: SpanOptions | None = None,
+              cache_salt: str | None = None) -> QueryRoute:
+        """The :class:`QueryRoute` of a parsed query (never raises for a query the compiler
+        refuses: that one gets no keys)."""
+        from span_workflows.scaleout.affinity import SpanKey
+
+        try:
+            tree = optimize(node) if optimize_query else node
+        except (SpanQueryError, RecursionError):
+            return QueryRoute(())
+        keys: list[SpanKey] = []
+        prompt = ""  # the messages' text in the order sent (what a text-prefix router sees)
+        for g in (n for n in iter_nodes(tree) if isinstance(n, Generate)):
+            try:
+                tq = self.compiler.compile_generate(g, {}, options=span_options)
+            except (SpanQueryError, KeyError, ValueError):
+                continue
+            keys.extend(SpanKey(h, self.block_size) for h in self.span_block_keys(tq, cache_salt))
+        if self.with_prompt:
+            prompt = "".join(str(getattr(n, "text", "")) for n in iter_nodes(node)
+                             if isinstance(n, MESSAGE_TYPES))
+        return QueryRoute(tuple(keys), prompt)
+
+    def span_block_keys(self, tq: TokenizedQuery, cache_salt: str | None = None) -> list[bytes]:
+        """Keys of the full blocks of ``tq``'s plus spans (and spans of nested outputs)."""
+        hashes = span_vllm.routing_block_keys(tq.token_ids, self.block_size, tq.segments,
+                                              cache_salt)
+        out = []
+        for span in tq.spans:
+            if span.kind not in ("plus", "generated"):
+                continue
+            first = span.offset // self.block_size
+            last = (span.offset + span.length) // self.block_size
+            out.extend(hashes[first:min(last, len(hashes))])
+        return out
+
+
+__all__ = ["QueryKeyer", "QueryRoute"]

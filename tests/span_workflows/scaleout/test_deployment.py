@@ -1,0 +1,67 @@
+"""Pieces of the Ray Serve application that need no cluster: options, metrics merging, the
+CLI's ``serve --replicas`` arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from span_workflows.apps import cli
+from span_workflows.scaleout.deployment import ClusterOptions, app_from_args, relabel_metrics
+
+
+def test_metrics_of_replicas_are_merged_with_a_replica_label() -> None:
+    a = ("# HELP span_hit_blocks_total hits\n# TYPE span_hit_blocks_total counter\n"
+         "span_hit_blocks_total 3.0\n"
+         'vllm:num_requests_running{model_name="m",engine="0"} 1.0\n')
+    b = a.replace("3.0", "5.0")
+    merged = relabel_metrics({"r1": a, "r2": b})
+    assert merged.count("# TYPE span_hit_blocks_total counter") == 1
+    assert 'span_hit_blocks_total{replica="r1"} 3.0' in merged
+    assert 'span_hit_blocks_total{replica="r2"} 5.0' in merged
+    assert 'vllm:num_requests_running{model_name="m",engine="0",replica="r2"} 1.0' in merged
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"replicas": 0}, "replicas"),
+    ({"router": "round-robin"}, "unknown router"),
+    ({"num_gpus": -1}, "num_gpus"),
+    ({"capacity_tokens": 0}, "capacity_tokens"),
+    ({"imbalance_threshold": -1}, "imbalance_threshold"),
+])
+def test_bad_options_are_refused(bad, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterOptions(**bad)
+
+
+def test_serve_replicas_builds_cluster_options(monkeypatch) -> None:
+    seen = {}
+
+    def fake_serve_cluster(options, host, port, address):
+        seen.update(options=options, host=host, port=port, address=address)
+
+    import span_workflows.scaleout.deployment as deployment
+
+    monkeypatch.setattr(deployment, "serve_cluster", fake_serve_cluster)
+    assert cli.main(["serve", "--replicas", "3", "--num-gpus", "1", "--port", "9000",
+                     "--router", "prefix-affinity", "--", "--max-model-len", "4096"]) == 0
+    options = seen["options"]
+    assert (options.replicas, options.num_gpus, options.router) == (3, 1.0, "prefix-affinity")
+    assert options.extra_args == ("--max-model-len", "4096") and seen["port"] == 9000
+
+
+def test_serve_replicas_reports_bad_options(capsys) -> None:
+    assert cli.main(["serve", "--replicas", "0"]) == 2
+    assert "replicas must be >= 1" in capsys.readouterr().err
+
+
+def test_cache_size_is_read_from_whole_label_names() -> None:
+    from span_workflows.scaleout.deployment import _label
+
+    text = 'vllm:cache_config_info{hash_block_size="16",block_size="32",num_gpu_blocks="700"} 1'
+    assert (_label(text, "block_size"), _label(text, "num_gpu_blocks")) == (32, 700)
+    assert _label("nothing", "block_size") is None
+
+
+def test_the_config_file_builder_checks_its_args() -> None:
+    with pytest.raises(ValueError, match="unknown router"):
+        app_from_args({"router": "nope"})

@@ -1,0 +1,81 @@
+"""``span-workflows serve --replicas 2`` on this machine: two real SmolLM2-135M span engines on
+Ray Serve behind one ingress, answering the single server's API."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from span_workflows.builders import rag
+from span_workflows.serving import wire
+from span_workflows.serving.client import SpanServer
+from span_workflows.serving.launch import free_port
+
+pytest.importorskip("ray")
+DOCS = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(70)) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    """The CLI's two-replica application; yields its URL (stopped with Ctrl-C at the end)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    # The machine is shared: Ray's own memory monitor would kill replicas when *other*
+    # processes fill the memory; leave that to the kernel here (unless the caller set it).
+    env = {"RAY_memory_monitor_refresh_ms": "0", **os.environ}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "span_workflows.apps.cli", "serve", "--replicas", "2",
+             "--kv-cache-gib", "1", "--num-cpus", "0.5", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 480
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(url + wire.HEALTH_PATH, timeout=15).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def post(url: str, docs: list[str], question: str) -> httpx.Response:
+    body = wire.request_body(rag("Answer briefly.", docs, question, max_tokens=4), stream=False)
+    return httpx.post(url + wire.EXECUTE_PATH, json=body, timeout=300)
+
+
+@pytest.mark.engine
+def test_two_replicas_answer_and_a_shuffled_query_reads_its_spans_from_cache(replicas) -> None:
+    first = post(replicas, DOCS[:3], "Which document comes first?")
+    assert first.status_code == 200, first.text
+    assert first.json()["metrics"]["prepare_requests"] > 0  # the documents were computed
+    again = post(replicas, [DOCS[2], DOCS[0], DOCS[1]], "Which is the last one?")
+    assert again.status_code == 200, again.text
+    assert again.headers["x-span-replica"] == first.headers["x-span-replica"]
+    assert again.json()["metrics"]["prepare_requests"] == 0  # all spans read from cache
+    # the project's client works against the ingress as against one server
+    result = SpanServer(replicas).execute(rag("Answer briefly.", DOCS[1:3], "Why?",
+                                              max_tokens=4))
+    assert result.text and result.metrics.generated_tokens > 0
+    text = httpx.get(replicas + "/metrics", timeout=60).text
+    labelled = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("span_hit_blocks_total{")}
+    assert len(labelled) == 2
