@@ -276,7 +276,9 @@ def _add_replica_options(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica")
     group.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica")
     group.add_argument("--router", default="span-affinity",
-                       choices=("span-affinity", "prefix-affinity", "power-of-two"))
+                       choices=("span-affinity", "prefix-affinity", "power-of-two"),
+                       help="how the ingress picks a replica: by the query's span keys "
+                            "(default), Ray's text-prefix router, or power of two choices")
     group.add_argument("--imbalance-threshold", type=int, default=2,
                        help="requests in flight beyond the lightest replica's before a "
                             "query leaves the replica holding its spans")

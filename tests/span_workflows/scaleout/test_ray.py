@@ -100,7 +100,8 @@ def test_chat_with_spans_follows_its_spans_in_any_order(cluster) -> None:
     assert again.headers["x-span-replica"] == home
     with httpx.stream("POST", cluster + "/v1/chat/completions", timeout=90,
                       json={"model": "m", "spans": DOCS[5:7], "stream": True,
-                            "messages": [{"role": "user", "content": DOCS[6] + DOCS[5]}]}) as s:
+                            "messages": [{"role": "user",
+                                          "content": DOCS[6] + "\n\n" + DOCS[5]}]}) as s:
         assert s.status_code == 200 and s.headers["x-span-replica"] == home
         assert "chat.completion.chunk" in "".join(s.iter_text())
 

@@ -79,3 +79,24 @@ def test_two_replicas_answer_and_a_shuffled_query_reads_its_spans_from_cache(rep
     labelled = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
                 if line.startswith("span_hit_blocks_total{")}
     assert len(labelled) == 2
+
+
+@pytest.mark.engine
+def test_an_openai_client_gets_span_reuse_through_the_ingress(replicas) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=replicas + "/v1", api_key="unused")
+    docs = [f"Record {i}: " + " ".join(f"r{i}z{j}" for j in range(60)) for i in range(3)]
+
+    def ask(order: list[str], question: str):
+        return client.chat.completions.with_raw_response.create(
+            model="smollm2-135m-instruct", max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": "\n\n".join(order) + "\n\n" + question}],
+            extra_body={"spans": order})
+
+    first = ask(docs, "Which record is first?")
+    second = ask([docs[2], docs[0], docs[1]], "Which record is last?")
+    assert first.headers["x-span-replica"] == second.headers["x-span-replica"]
+    usage = second.parse().usage
+    # the three records (about 60 tokens each) come from the cache in their new order
+    assert usage.prompt_tokens_details.cached_tokens >= 150, usage
