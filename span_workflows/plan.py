@@ -38,7 +38,7 @@ from span_workflows.compile import (
     nested_generations,
 )
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Cross, Generate, Node, Plus, child_path, content_hash
+from span_workflows.ir import MESSAGE_TYPES, Cross, Generate, Node, Plus, child_path, content_hash
 from span_workflows.layout import SpanOptions
 from span_workflows.optimize import optimize, ordered_for_stock
 from span_workflows.result import Metrics, Result
@@ -136,7 +136,14 @@ class Planner:
         self.max_model_len = max_model_len
 
     def normalize(self, query: Node, optimize_query: bool = True, span_mode: bool = True) -> Node:
-        """The tree that is executed: optimized (span mode) or desugared in order (stock)."""
+        """The tree that is executed: optimized (span mode) or desugared in order (stock).
+        A top-level join holding a message is refused here, with its path in ``query`` (the
+        optimizer reorders a plus)."""
+        if isinstance(query, (Plus, Cross)):
+            for i, child in enumerate(query.children):
+                if isinstance(child, MESSAGE_TYPES):
+                    raise SpanQueryError(child_path("", query, i),
+                                         "a top-level join must join G's")
         query = with_tool_prompts(query)
         node = optimize(query, locality_fanin=self.locality_fanin) if optimize_query else query
         if not span_mode:

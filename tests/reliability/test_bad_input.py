@@ -197,7 +197,8 @@ class _StubEngine:
 
     async def generate(self, prompt: Any, params: Any, request_id: str):
         self.requests += 1
-        outs = [SimpleNamespace(index=i, text="ok", token_ids=[1, 2]) for i in range(params.n)]
+        outs = [SimpleNamespace(index=i, text="ok", token_ids=[1, 2], finish_reason="length")
+                for i in range(params.n)]
         yield SimpleNamespace(outputs=outs, prompt_token_ids=prompt["prompt_token_ids"],
                               num_cached_tokens=0)
 
