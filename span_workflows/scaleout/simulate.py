@@ -139,10 +139,14 @@ class LruSpanCache:
             else:
                 self.entries[k.key] = k.tokens
                 self.tokens += k.tokens
+        self._evict()
+        return hit
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries until the cache fits its capacity."""
         while self.tokens > self.capacity_tokens and self.entries:
             _, size = self.entries.popitem(last=False)
             self.tokens -= size
-        return hit
 
 
 @dataclass
@@ -165,9 +169,7 @@ class PrefixLruCache(LruSpanCache):
             else:
                 self.entries[k.key] = k.tokens
                 self.tokens += k.tokens
-        while self.tokens > self.capacity_tokens and self.entries:
-            _, size = self.entries.popitem(last=False)
-            self.tokens -= size
+        self._evict()
         return hit
 
 

@@ -14,10 +14,10 @@ import time
 import httpx
 import openai
 import pytest
+from serving_fixtures import running_server, signed_in
 
 from span_workflows.fragments import lift_messages
 from span_workflows.json_ir import to_obj
-from span_workflows.serving.launch import start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -52,20 +52,13 @@ MIN_DOC_CACHED = 0.8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("openai") / "server.log"
-    proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=900,
-                                     log_path=log, max_model_len=4096)
-    try:
+    with running_server(tmp_path_factory.mktemp("openai"), API_KEY, timeout=900) as url:
         yield url
-    finally:
-        stop_server_process(proc)
-        assert proc.poll() is not None
 
 
 @pytest.fixture(scope="module")
 def http(server: str):
-    with httpx.Client(base_url=server, timeout=300,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with signed_in(server, API_KEY) as client:
         yield client
 
 
