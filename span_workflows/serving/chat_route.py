@@ -119,7 +119,9 @@ async def span_chat_response(request: HttpRequest, body: bytes) -> Any:
         except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
             return engine_error(exc)
         return JSONResponse(chat_wire.completion_body(result, finish_reasons=choices.finish_reasons,
-                                                      **ids))
+                                                      uses_tools=chat.uses_tools, **ids))
+    if chat.uses_tools:
+        return await _stream_whole(service, chat, ids)
     return await _stream(service, chat, ids)
 
 
@@ -158,6 +160,31 @@ async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
 
     return await stream_choices(service, chat.node, delta, done, cache_salt=chat.cache_salt,
                                 sampling=chat.sampling)
+
+
+async def _stream_whole(service: SpanQueryService, chat: chat_wire.SpanChat,
+                        ids: dict[str, Any]) -> Any:
+    """The chunk stream of an answer in the tool answer format: it is read back whole (its
+    JSON is not the client's content), then sent as one delta, the finish and the usage."""
+    from fastapi.responses import StreamingResponse
+
+    try:
+        result = await service.execute(chat.node, cache_salt=chat.cache_salt,
+                                       sampling=chat.sampling)
+    except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
+        return engine_error(exc)
+    message = chat_wire.tool_message(result)
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    chunks = [chat_wire.chunk_body(choices=[{"index": 0, "delta": message, "logprobs": None,
+                                             "finish_reason": None}], **ids),
+              chat_wire.chunk_body(choices=[chat_wire.delta_choice(
+                  0, "", finish_reason=result.finish_reason)], **ids)]
+    if chat.include_usage:
+        chunks.append(chat_wire.usage_chunk_body(result, **ids))
+    body = b"".join(_event(c) for c in chunks) + b"data: [DONE]\n\n"
+    return StreamingResponse(iter([body]), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
 
 
 def _event(data: dict[str, Any]) -> bytes:
