@@ -310,6 +310,11 @@ def render_content(text: str) -> str:
     return json.dumps({CONTENT_KEY: text}, ensure_ascii=False, separators=(",", ":"))
 
 
+def render_tool_result(name: str, text: str, *, error: bool = False) -> str:
+    """A tool's result as the turn the model reads after its call (a ``tool`` message)."""
+    return f"Tool {name} returned{' an error' if error else ''}: {text}"
+
+
 def _number(value: object) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
@@ -322,5 +327,5 @@ def _int(value: object) -> bool:
 __all__ = [
     "CALLS_KEY", "CONTENT_KEY", "Sampling", "TOOL_CHOICES", "ToolCall", "ToolSpec",
     "answer_schema", "canonical_json", "parse_answer", "render_calls", "render_content",
-    "tool_instructions",
+    "render_tool_result", "tool_instructions",
 ]

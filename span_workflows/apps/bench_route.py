@@ -27,6 +27,7 @@ from span_workflows.apps.report import print_table
 from span_workflows.scaleout.affinity import AffinityOptions
 from span_workflows.scaleout.simulate import (
     ROUTERS,
+    STOCK_ROUTERS,
     CostModel,
     TraceOptions,
     make_router,
@@ -67,7 +68,7 @@ def sim_rows(sizes: Sequence[int], trace: TraceOptions, affinity: AffinityOption
         for router in ROUTERS:
             res = single if router == "single" else simulate(
                 queries, make_router(router, options, affinity, options.seed), n, name=router,
-                **common)
+                stock=router in STOCK_ROUTERS, **common)
             rows.append({
                 "mode": "sim", "router": router, "replicas": 1 if router == "single" else n,
                 "requests": res.requests, "hit_rate": round(res.hit_rate, 4),
@@ -92,22 +93,33 @@ def merge_rows(path: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a markdown table (sim, then real), with each router's hit rate over the
-    single node's and over the prefix router's at the same size."""
-    prefix = {(r["mode"], r.get("cluster_replicas", r["replicas"])): r["hit_rate"]
-              for r in rows if r["router"] == "prefix-affinity"}
+    single node's, over the prefix router's (span replicas) and over what stock replicas
+    behind the prefix router get, at the same size."""
+    def refs(router: str) -> dict[tuple[str, int], float]:
+        return {(r["mode"], r.get("cluster_replicas", r["replicas"])): r["hit_rate"]
+                for r in rows if r["router"] == router}
+
+    prefix, stock = refs("prefix-affinity"), refs("stock-prefix-affinity")
     head = ("| mode | replicas | router | requests | hit rate | × single node | × prefix "
-            "| p50 TTFT (s) | p95 TTFT (s) | max load ratio |")
-    lines = [head, "|" + "---|" * 10]
+            "| × stock prefix | p50 TTFT (s) | p95 TTFT (s) | max load ratio |")
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
         size = r.get("cluster_replicas", r["replicas"])
-        single = r["single_node_hit_rate"]
-        ref = prefix.get((r["mode"], size))
         lines.append(
             f"| {r['mode']} | {size} | {r['router']} | {r['requests']} | {r['hit_rate']:.3f} "
-            f"| {r['hit_rate'] / single if single else float('nan'):.2f} "
-            f"| {r['hit_rate'] / ref if ref else float('nan'):.2f} "
+            f"| {_ratio(r['hit_rate'], r['single_node_hit_rate'])} "
+            f"| {_ratio(r['hit_rate'], prefix.get((r['mode'], size)))} "
+            f"| {_ratio(r['hit_rate'], stock.get((r['mode'], size)))} "
             f"| {r['p50_ttft_s']:.3f} | {r['p95_ttft_s']:.3f} | {r['max_load_ratio']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(value: float, ref: float | None) -> str:
+    if ref is None:
+        return "—"
+    if ref == 0:
+        return "∞" if value > 0 else "—"
+    return f"{value / ref:.2f}"
 
 
 def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -156,6 +168,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="sim: span cache per replica (and of the single node), in tokens")
     p.add_argument("--imbalance-threshold", type=int, default=0,
                    help="span-affinity: extra requests in flight tolerated for affinity")
+    p.add_argument("--max-share", type=float, default=1.25,
+                   help="span-affinity: bounded-load factor over the fair share (0: off)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="real: queries in flight at once")
     p.add_argument("--seed", type=int, default=0)
@@ -172,7 +186,8 @@ def run_route(argv: Sequence[str]) -> int:
         trace = TraceOptions(requests=args.requests or 4000, documents=args.documents or 1000,
                              k=args.k or 5, zipf_s=args.zipf, seed=args.seed)
         affinity = AffinityOptions(capacity_tokens=args.cache_tokens,
-                                   imbalance_threshold=args.imbalance_threshold)
+                                   imbalance_threshold=args.imbalance_threshold,
+                                   max_share=args.max_share or None)
         rows = sim_rows(args.replicas or [2, 8, 32, 100], trace, affinity, CostModel())
     else:
         from span_workflows.apps.bench_route_real import real_rows

@@ -282,6 +282,9 @@ def _add_replica_options(serve: argparse.ArgumentParser) -> None:
     group.add_argument("--imbalance-threshold", type=int, default=2,
                        help="requests in flight beyond the lightest replica's before a "
                             "query leaves the replica holding its spans")
+    group.add_argument("--max-share", type=float, default=1.25,
+                       help="a replica that took more than this times its fair share of the "
+                            "recent queries is passed over for affinity (0: no bound)")
     group.add_argument("--capacity-tokens", type=int, default=None,
                        help="span tokens remembered per replica (default: its KV cache)")
     group.add_argument("--ray-address", default=None,
@@ -302,7 +305,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 model=args.model, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
                 extra_args=tuple(getattr(args, "vllm_args", [])), router=args.router,
                 capacity_tokens=args.capacity_tokens,
-                imbalance_threshold=args.imbalance_threshold, api_key=api_key)
+                imbalance_threshold=args.imbalance_threshold,
+                max_share=args.max_share or None, api_key=api_key)
         except ValueError as exc:
             raise SpanQueryError("serve", str(exc)) from None
         serve_cluster(options, host=args.host, port=args.port, address=args.ray_address)

@@ -6,7 +6,10 @@ how many tokens it holds; in the server, the position-independent block keys of 
 approximate picture of that replica's span cache (:class:`ReplicaSpanCache`: the keys routed
 there, least recently routed first, bounded in tokens like the KV cache it stands for) and
 sends a query to the replica that holds the most of its span tokens, unless that replica's
-load exceeds the lightest one's by more than ``imbalance_threshold`` (then to the lightest).
+load exceeds the lightest one's by more than ``imbalance_threshold`` (then to the lightest),
+or it took more than ``max_share`` times its fair share of the recent queries (bounded-load
+affinity: popular documents cannot pile their queries onto one replica; they spread to a
+second holder, which then holds them too).
 
 The policy is plain Python, with no Ray in it: the Ray Serve ``RequestRouter``
 (:mod:`span_workflows.scaleout.ray_router`) and the trace-driven simulator
@@ -16,7 +19,7 @@ The policy is plain Python, with no Ray in it: the Ray Serve ``RequestRouter``
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -45,11 +48,15 @@ class AffinityOptions:
     ``imbalance_threshold``: a replica whose load (requests in flight) exceeds the lightest
     replica's by more than this is not chosen for affinity. ``min_match_tokens``: a replica
     must hold at least this many of the query's span tokens to be chosen for affinity.
+    ``max_share``: a replica that took more than this times its fair share of the last
+    ``window_per_replica`` × replicas queries is not chosen for affinity (``None``: no bound).
     """
 
     capacity_tokens: int = 65_536
     imbalance_threshold: int = 2
     min_match_tokens: int = 1
+    max_share: float | None = 1.25
+    window_per_replica: int = 16
 
     def __post_init__(self) -> None:
         if self.capacity_tokens <= 0:
@@ -59,6 +66,10 @@ class AffinityOptions:
                              f"not {self.imbalance_threshold}")
         if self.min_match_tokens < 1:
             raise ValueError(f"min_match_tokens must be >= 1, not {self.min_match_tokens}")
+        if self.max_share is not None and self.max_share < 1:
+            raise ValueError(f"max_share must be >= 1 (or None), not {self.max_share}")
+        if self.window_per_replica < 1:
+            raise ValueError(f"window_per_replica must be >= 1, not {self.window_per_replica}")
 
 
 @dataclass
@@ -104,11 +115,16 @@ class SpanAffinityPolicy:
         #: key -> replicas believed to hold it (the inverse of ``_caches``)
         self._holders: dict[Hashable, set[ReplicaName]] = {}
         self._rng = random.Random(seed)
+        #: the replicas of the latest routed queries, oldest first, and their counts
+        self._recent: deque[ReplicaName] = deque()
+        self._recent_counts: Counter[ReplicaName] = Counter()
 
     # -- the map ---------------------------------------------------------------------------
 
     def record(self, replica: ReplicaName, keys: Sequence[SpanKey]) -> None:
         """``keys`` were just sent to ``replica`` (it computes or reads them: it holds them)."""
+        self._recent.append(replica)
+        self._recent_counts[replica] += 1
         cache = self._caches.get(replica)
         if cache is None:
             cache = self._caches[replica] = ReplicaSpanCache(self.options.capacity_tokens)
@@ -170,17 +186,36 @@ class SpanAffinityPolicy:
             raise ValueError("no replica to route to")
         lightest = min(loads.values())
         limit = lightest + self.options.imbalance_threshold
+        busy = self._over_share(loads)
         scores = self.scores(keys, loads)
         eligible = [(s, r) for r, s in scores.items()
-                    if s >= self.options.min_match_tokens and loads[r] <= limit]
+                    if s >= self.options.min_match_tokens and loads[r] <= limit
+                    and r not in busy]
         if eligible:
             best = max(s for s, _ in eligible)
             tied = [r for s, r in eligible if s == best]
         else:
-            tied = list(loads)
+            tied = [r for r in loads if r not in busy] or list(loads)
         low = min(loads[r] for r in tied)
         tied = [r for r in tied if loads[r] == low]
         return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    def _over_share(self, loads: Mapping[ReplicaName, int]) -> set[ReplicaName]:
+        """The candidates that took more than ``max_share`` × their fair share of the recent
+        queries (the window is trimmed to ``window_per_replica`` × candidates first)."""
+        share = self.options.max_share
+        if share is None or len(loads) < 2:
+            return set()
+        window = self.options.window_per_replica * len(loads)
+        while len(self._recent) > window:
+            old = self._recent.popleft()
+            self._recent_counts[old] -= 1
+            if not self._recent_counts[old]:
+                del self._recent_counts[old]
+        if len(self._recent) < window:
+            return set()  # too few queries yet to tell a busy replica from chance
+        cap = share * len(self._recent) / len(loads)
+        return {r for r in loads if self._recent_counts.get(r, 0) > cap}
 
 
 def _unique(keys: Sequence[SpanKey]) -> list[SpanKey]:

@@ -63,10 +63,11 @@ class ClusterOptions:
     (a GPU replica's server sees only its GPU); ``model``, ``kv_cache_gib``, ``block_size``,
     ``extra_args``: as for ``span-workflows serve``; ``router``: one of :data:`ROUTERS`;
     ``capacity_tokens``: span tokens the router remembers per replica (``None``: the replica's
-    KV cache size, read from its server); ``imbalance_threshold``: see
-    :class:`~span_workflows.scaleout.affinity.AffinityOptions`; ``max_ongoing_requests``: per
-    replica; ``request_timeout_s``: deadline of one call to a replica; ``server_command``: a
-    command to run instead of the span server (``{port}`` is replaced; for tests);
+    KV cache size, read from its server); ``imbalance_threshold``, ``max_share`` (``None``:
+    no bound): see :class:`~span_workflows.scaleout.affinity.AffinityOptions`;
+    ``max_ongoing_requests``: per replica; ``request_timeout_s``: deadline of one call to a
+    replica; ``server_command``: a command to run instead of the span server (``{port}`` is
+    replaced; for tests);
     ``api_key``: required bearer token on ``/v1`` paths."""
 
     replicas: int = 2
@@ -79,6 +80,7 @@ class ClusterOptions:
     router: str = "span-affinity"
     capacity_tokens: int | None = None
     imbalance_threshold: int = 2
+    max_share: float | None = 1.25
     max_ongoing_requests: int = 16
     request_timeout_s: float = 600.0
     start_timeout_s: float = 600.0
@@ -97,6 +99,8 @@ class ClusterOptions:
             raise ValueError(f"capacity_tokens must be positive, not {self.capacity_tokens}")
         if self.imbalance_threshold < 0:
             raise ValueError("imbalance_threshold must be >= 0")
+        if self.max_share is not None and self.max_share < 1:
+            raise ValueError(f"max_share must be >= 1 (or None), not {self.max_share}")
         if self.request_timeout_s <= 0 or self.max_ongoing_requests < 1:
             raise ValueError("request_timeout_s must be > 0 and max_ongoing_requests >= 1")
 
@@ -609,7 +613,8 @@ def build_app(options: ClusterOptions) -> Any:
         "graceful_shutdown_timeout_s": 20,
     }
     if options.router == "span-affinity":
-        kwargs: dict[str, Any] = {"imbalance_threshold": options.imbalance_threshold}
+        kwargs: dict[str, Any] = {"imbalance_threshold": options.imbalance_threshold,
+                                  "max_share": options.max_share}
         if options.capacity_tokens is not None:
             kwargs["capacity_tokens"] = options.capacity_tokens
         replica_options["request_router_config"] = RequestRouterConfig(
@@ -629,6 +634,7 @@ def _replica_settings(options: ClusterOptions) -> dict[str, Any]:
     default = ClusterOptions()
     return asdict(replace(options, replicas=default.replicas, router=default.router,
                           capacity_tokens=None, imbalance_threshold=default.imbalance_threshold,
+                          max_share=default.max_share,
                           max_ongoing_requests=default.max_ongoing_requests,
                           request_timeout_s=default.request_timeout_s))
 

@@ -64,14 +64,16 @@ class SpanAffinityRouter(RequestRouter):
 
     ``request_router_kwargs``: ``capacity_tokens`` (span tokens remembered per replica: its
     KV cache size in tokens), ``imbalance_threshold`` (requests in flight beyond the lightest
-    replica's before affinity gives way to load), ``min_match_tokens``."""
+    replica's before affinity gives way to load), ``min_match_tokens``, ``max_share`` (the
+    bounded-load factor; ``None``: no bound)."""
 
     def initialize_state(self, capacity_tokens: int = 65_536, imbalance_threshold: int = 2,
-                         min_match_tokens: int = 1, **_: Any) -> None:
+                         min_match_tokens: int = 1, max_share: float | None = 1.25,
+                         **_: Any) -> None:
         """Called by Ray Serve with ``request_router_kwargs``."""
         self.policy = SpanAffinityPolicy(AffinityOptions(
             capacity_tokens=capacity_tokens, imbalance_threshold=imbalance_threshold,
-            min_match_tokens=min_match_tokens), seed=None)
+            min_match_tokens=min_match_tokens, max_share=max_share), seed=None)
         self._flight: dict[str, ReplicaID] = {}
         self._load: dict[ReplicaID, int] = {}
         self._routed: OrderedDict[str, ReplicaID] = OrderedDict()

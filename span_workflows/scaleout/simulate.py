@@ -17,9 +17,13 @@ The routers (:class:`SimRouter`) are the ones compared by ``span-workflows bench
   the match covers at least 10 % of it, else the replicas with the smallest trees; the least
   loaded of those (no load threshold, no tree eviction: Ray's defaults);
 * ``power-of-two`` — two replicas at random, the less loaded;
-* ``single`` — one replica (the reference: the same trace on one node).
+* ``single`` — one replica (the reference: the same trace on one node);
+* ``stock-prefix-affinity`` — what a cluster of stock vLLM replicas gets today: the prefix
+  router in front of replicas with vLLM's own prefix cache (:class:`PrefixLruCache`: a
+  document is read from the cache only when every document before it, in this order, was too).
 
-Every router runs against the same replicas model: they differ only in where queries go.
+Every other router runs against the same span-cache replicas: they differ only in where
+queries go.
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ from typing import Protocol
 
 from span_workflows.scaleout.affinity import AffinityOptions, SpanAffinityPolicy, SpanKey
 
-ROUTERS = ("span-affinity", "prefix-affinity", "power-of-two", "single")
+ROUTERS = ("span-affinity", "prefix-affinity", "power-of-two", "single",
+           "stock-prefix-affinity")
+#: The replicas' cache model of each router (the others: span caches).
+STOCK_ROUTERS = frozenset({"stock-prefix-affinity"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,12 @@ class Query:
     def span_keys(self) -> list[SpanKey]:
         """The query's span keys (one per document)."""
         return [SpanKey(("doc", d), n) for d, n in zip(self.docs, self.doc_tokens, strict=True)]
+
+    def prefix_keys(self) -> list[SpanKey]:
+        """The query's keys in a prefix cache: document ``j`` is named by every document up
+        to it, in order (vLLM's block hash chain, one piece per document)."""
+        return [SpanKey(("prefix", *self.docs[:j + 1]), n)
+                for j, n in enumerate(self.doc_tokens)]
 
 
 def make_trace(options: TraceOptions) -> list[Query]:
@@ -126,9 +139,37 @@ class LruSpanCache:
             else:
                 self.entries[k.key] = k.tokens
                 self.tokens += k.tokens
+        self._evict()
+        return hit
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries until the cache fits its capacity."""
         while self.tokens > self.capacity_tokens and self.entries:
             _, size = self.entries.popitem(last=False)
             self.tokens -= size
+
+
+@dataclass
+class PrefixLruCache(LruSpanCache):
+    """A stock prefix cache: like :class:`LruSpanCache` over :meth:`Query.prefix_keys`, but
+    reading stops at the first key not cached (what follows a miss is computed again, as in
+    vLLM, whose block hashes chain)."""
+
+    def read(self, keys: Sequence[SpanKey]) -> int:
+        hit = 0
+        missed = False
+        for k in keys:
+            if not missed and k.key in self.entries:
+                self.entries.move_to_end(k.key)
+                hit += k.tokens
+                continue
+            missed = True
+            if k.key in self.entries:
+                self.entries.move_to_end(k.key)
+            else:
+                self.entries[k.key] = k.tokens
+                self.tokens += k.tokens
+        self._evict()
         return hit
 
 
@@ -256,7 +297,7 @@ def make_router(name: str, trace: TraceOptions, affinity: AffinityOptions,
     """The simulated router called ``name`` (one of :data:`ROUTERS`)."""
     if name == "span-affinity":
         return AffinitySimRouter(affinity, seed)
-    if name == "prefix-affinity":
+    if name in ("prefix-affinity", "stock-prefix-affinity"):
         return PrefixSimRouter(trace.system_tokens, trace.question_tokens, seed=seed)
     if name in ("power-of-two", "single"):
         return PowerOfTwoSimRouter(seed)
@@ -265,18 +306,21 @@ def make_router(name: str, trace: TraceOptions, affinity: AffinityOptions,
 
 def simulate(queries: Sequence[Query], router: SimRouter, replicas: int,
              capacity_tokens: int, cost: CostModel | None = None, *, name: str = "",
-             system_tokens: int = 64, question_tokens: int = 32, seed: int = 0) -> SimResult:
+             system_tokens: int = 64, question_tokens: int = 32, seed: int = 0,
+             stock: bool = False) -> SimResult:
     """Route ``queries`` over ``replicas`` simulated replicas of ``capacity_tokens`` of span
-    cache each, arriving as a Poisson stream at ``cost.utilization`` of what the replicas
-    serve uncached; measure hit rate (span tokens read from cache / span tokens), TTFT
-    percentiles and the busiest replica's requests over the mean."""
+    cache each (``stock``: of a stock prefix cache, :class:`PrefixLruCache`), arriving as a
+    Poisson stream at ``cost.utilization`` of what the replicas serve uncached; measure hit
+    rate (span tokens read from cache / span tokens), TTFT percentiles and the busiest
+    replica's requests over the mean."""
     if replicas < 1:
         raise ValueError(f"replicas must be >= 1, not {replicas}")
     if not queries:
         raise ValueError("no queries to simulate")
     cost = cost or CostModel()
     rng = random.Random(seed)
-    caches = [LruSpanCache(capacity_tokens) for _ in range(replicas)]
+    kind = PrefixLruCache if stock else LruSpanCache
+    caches = [kind(capacity_tokens) for _ in range(replicas)]
     free_at = [0.0] * replicas
     finishing: list[deque[float]] = [deque() for _ in range(replicas)]
     counts = [0] * replicas
@@ -297,8 +341,7 @@ def simulate(queries: Sequence[Query], router: SimRouter, replicas: int,
             loads[r] = len(queue)
         replica = router.choose(query, loads)
         router.routed(query, replica)
-        keys = query.span_keys()
-        hit = caches[replica].read(keys)
+        hit = caches[replica].read(query.prefix_keys() if stock else query.span_keys())
         hits += hit
         spans += query.span_tokens
         missed = system_tokens + question_tokens + query.span_tokens - hit
@@ -320,7 +363,7 @@ def _percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 __all__ = [
-    "ROUTERS", "AffinitySimRouter", "CostModel", "LruSpanCache", "PowerOfTwoSimRouter",
-    "PrefixSimRouter", "Query", "SimResult", "SimRouter", "TraceOptions", "make_router",
-    "make_trace", "simulate",
+    "ROUTERS", "STOCK_ROUTERS", "AffinitySimRouter", "CostModel", "LruSpanCache",
+    "PowerOfTwoSimRouter", "PrefixLruCache", "PrefixSimRouter", "Query", "SimResult",
+    "SimRouter", "TraceOptions", "make_router", "make_trace", "simulate",
 ]

@@ -23,11 +23,9 @@ Like vLLM, ``--api-key`` guards every ``/v1`` path, ``/v1/query/execute`` includ
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 from argparse import Namespace
-from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -37,7 +35,7 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.serving import wire
 from span_workflows.serving.chat_route import install_chat_route
 from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
-from span_workflows.serving.service import SpanQueryService
+from span_workflows.serving.service import SpanQueryService, StreamedRun
 from span_workflows.serving.spnl_route import openai_form_response, url_options
 from span_workflows.streaming import PartStream
 
@@ -123,48 +121,22 @@ async def _stream_response(service: SpanQueryService, query: wire.QueryBody,
                            response_class: Any) -> Any:
     """Start the query; answer SSE once it produced its first delta (so invalid queries still
     get a plain 400), or the plain error if it failed before that."""
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    stream = PartStream(lambda delta: queue.put_nowait(("delta", delta)))
+    run = StreamedRun()
+    stream = PartStream(run.put_delta)
+    first = await run.start(lambda: service.execute(
+        query.node, optimize_query=query.optimize, stream=stream,
+        span_options=query.span_options, cache_salt=query.cache_salt))
+    if first[0] == "error":
+        raise first[1]
 
-    async def work() -> None:
-        try:
-            result = await service.execute(
-                query.node, optimize_query=query.optimize, stream=stream,
-                span_options=query.span_options, cache_salt=query.cache_salt)
-            queue.put_nowait(("done", result))
-        except BaseException as exc:  # handed to the response, which re-raises or reports
-            queue.put_nowait(("error", exc))
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+    def render(kind: str, value: Any) -> tuple[list[bytes], bool]:
+        if kind == "delta":
+            return [wire.sse(wire.delta_event(value))], False
+        if kind == "done":
+            return [wire.sse(wire.done_event(value))], True
+        return [wire.sse(wire.error_event(value))], True
 
-    task = asyncio.create_task(work())
-    try:
-        kind, value = await queue.get()
-    except BaseException:
-        task.cancel()
-        raise
-    if kind == "error":
-        await asyncio.gather(task, return_exceptions=True)
-        raise value
-
-    async def events(kind: str, value: Any) -> AsyncIterator[bytes]:
-        try:
-            while True:
-                if kind == "delta":
-                    yield wire.sse(wire.delta_event(value))
-                elif kind == "done":
-                    yield wire.sse(wire.done_event(value))
-                    return
-                else:
-                    yield wire.sse(wire.error_event(value))
-                    return
-                kind, value = await queue.get()
-        finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    return response_class(events(kind, value), media_type=wire.SSE_MEDIA_TYPE,
+    return response_class(run.events(first, render), media_type=wire.SSE_MEDIA_TYPE,
                           headers={"Cache-Control": "no-cache"})
 
 

@@ -10,11 +10,10 @@ vLLM's route, so requests without ``spans`` behave exactly as stock vLLM. vLLM's
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
@@ -23,7 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.serving import chat_wire
-from span_workflows.serving.service import SpanQueryService
+from span_workflows.serving.service import SpanQueryService, StreamedRun
 from span_workflows.streaming import ChoiceStream
 
 
@@ -120,7 +119,9 @@ async def span_chat_response(request: HttpRequest, body: bytes) -> Any:
         except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
             return engine_error(exc)
         return JSONResponse(chat_wire.completion_body(result, finish_reasons=choices.finish_reasons,
-                                                      **ids))
+                                                      uses_tools=chat.uses_tools, **ids))
+    if chat.uses_tools:
+        return await _stream_whole(service, chat, ids)
     return await _stream(service, chat, ids)
 
 
@@ -161,6 +162,31 @@ async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
                                 sampling=chat.sampling)
 
 
+async def _stream_whole(service: SpanQueryService, chat: chat_wire.SpanChat,
+                        ids: dict[str, Any]) -> Any:
+    """The chunk stream of an answer in the tool answer format: it is read back whole (its
+    JSON is not the client's content), then sent as one delta, the finish and the usage."""
+    from fastapi.responses import StreamingResponse
+
+    try:
+        result = await service.execute(chat.node, cache_salt=chat.cache_salt,
+                                       sampling=chat.sampling)
+    except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
+        return engine_error(exc)
+    message = chat_wire.tool_message(result)
+    if "tool_calls" in message:
+        message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    chunks = [chat_wire.chunk_body(choices=[{"index": 0, "delta": message, "logprobs": None,
+                                             "finish_reason": None}], **ids),
+              chat_wire.chunk_body(choices=[chat_wire.delta_choice(
+                  0, "", finish_reason=result.finish_reason)], **ids)]
+    if chat.include_usage:
+        chunks.append(chat_wire.usage_chunk_body(result, **ids))
+    body = b"".join(_event(c) for c in chunks) + b"data: [DONE]\n\n"
+    return StreamingResponse(iter([body]), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
 def _event(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
@@ -176,52 +202,24 @@ async def stream_choices(service: SpanQueryService, node: Any,
     still gets a plain error answer."""
     from fastapi.responses import StreamingResponse
 
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-    choices = ChoiceStream(lambda index, delta: queue.put_nowait(("delta", (index, delta))))
+    run = StreamedRun()
+    choices = ChoiceStream(lambda index, delta: run.put_delta((index, delta)))
+    first = await run.start(lambda: service.execute(node, stream=choices,  # type: ignore[arg-type]
+                                                    **execute))
+    if first[0] == "error":
+        return engine_error(first[1])
 
-    async def work() -> None:
-        try:
-            result = await service.execute(node, stream=choices,  # type: ignore[arg-type]
-                                           **execute)
-            queue.put_nowait(("done", result))
-        except BaseException as exc:  # handed to the response, which reports it
-            queue.put_nowait(("error", exc))
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+    def render(kind: str, value: Any) -> tuple[list[bytes], bool]:
+        if kind == "delta":
+            return [_event(chunk) for chunk in on_delta(*value)], False
+        if kind == "done":
+            return [*(_event(c) for c in on_done(value, choices.finish_reasons)),
+                    b"data: [DONE]\n\n"], True
+        return [_event(chat_wire.error_body(str(value) or type(value).__name__,
+                                            status=500, kind="InternalServerError")),
+                b"data: [DONE]\n\n"], True
 
-    task = asyncio.create_task(work())
-    try:
-        kind, value = await queue.get()
-    except BaseException:
-        task.cancel()
-        raise
-    if kind == "error":
-        await asyncio.gather(task, return_exceptions=True)
-        return engine_error(value)
-
-    async def events(kind: str, value: Any) -> AsyncIterator[bytes]:
-        try:
-            while True:
-                if kind == "delta":
-                    for chunk in on_delta(*value):
-                        yield _event(chunk)
-                elif kind == "done":
-                    for chunk in on_done(value, choices.finish_reasons):
-                        yield _event(chunk)
-                    yield b"data: [DONE]\n\n"
-                    return
-                else:
-                    yield _event(chat_wire.error_body(str(value) or type(value).__name__,
-                                                      status=500, kind="InternalServerError"))
-                    yield b"data: [DONE]\n\n"
-                    return
-                kind, value = await queue.get()
-        finally:
-            if not task.done():
-                task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-    return StreamingResponse(events(kind, value), media_type="text/event-stream",
+    return StreamingResponse(run.events(first, render), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from span_vllm import contract
@@ -83,4 +83,62 @@ class SpanQueryService:
         return dict(self.stats)
 
 
-__all__ = ["SpanQueryService"]
+class StreamedRun:
+    """A query run as a task whose pieces arrive in order on a queue: ``("delta", value)``
+    (put by the query's stream, :meth:`put_delta`), then ``("done", result)`` or
+    ``("error", exception)``. :meth:`start` waits for the first piece, so that a request
+    failing before its first token can still get a plain error answer; :meth:`events` renders
+    the rest as the response body and ends the task when the client leaves."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+
+    def put_delta(self, value: Any) -> None:
+        """A piece of output (the query stream's callback)."""
+        self.queue.put_nowait(("delta", value))
+
+    async def start(self, run: Callable[[], Awaitable[Result]]) -> tuple[str, Any]:
+        """Start ``run()`` and return the first piece (an ``"error"`` one has ended the
+        task)."""
+
+        async def work() -> None:
+            try:
+                self.queue.put_nowait(("done", await run()))
+            except BaseException as exc:  # handed to the response, which reports it
+                self.queue.put_nowait(("error", exc))
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+
+        self.task = asyncio.create_task(work())
+        try:
+            first = await self.queue.get()
+        except BaseException:
+            self.task.cancel()
+            raise
+        if first[0] == "error":
+            await asyncio.gather(self.task, return_exceptions=True)
+        return first
+
+    async def events(self, first: tuple[str, Any],
+                     render: Callable[[str, Any], tuple[list[bytes], bool]]
+                     ) -> AsyncIterator[bytes]:
+        """The body from ``first`` on: ``render(kind, value)`` gives each piece's bytes and
+        whether it is the last."""
+        kind, value = first
+        try:
+            while True:
+                chunks, last = render(kind, value)
+                for chunk in chunks:
+                    yield chunk
+                if last:
+                    return
+                kind, value = await self.queue.get()
+        finally:
+            if self.task is not None:
+                if not self.task.done():
+                    self.task.cancel()
+                await asyncio.gather(self.task, return_exceptions=True)
+
+
+__all__ = ["SpanQueryService", "StreamedRun"]

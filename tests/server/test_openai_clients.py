@@ -14,10 +14,10 @@ import time
 import httpx
 import openai
 import pytest
+from serving_fixtures import running_server, signed_in
 
 from span_workflows.fragments import lift_messages
 from span_workflows.json_ir import to_obj
-from span_workflows.serving.launch import start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -52,20 +52,13 @@ MIN_DOC_CACHED = 0.8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("openai") / "server.log"
-    proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=900,
-                                     log_path=log, max_model_len=4096)
-    try:
+    with running_server(tmp_path_factory.mktemp("openai"), API_KEY, timeout=900) as url:
         yield url
-    finally:
-        stop_server_process(proc)
-        assert proc.poll() is not None
 
 
 @pytest.fixture(scope="module")
 def http(server: str):
-    with httpx.Client(base_url=server, timeout=300,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with signed_in(server, API_KEY) as client:
         yield client
 
 
@@ -503,3 +496,45 @@ def test_framework_classes_stream_token_by_token_from_the_server(server: str) ->
     for name, (count, first, last) in figures.items():
         print(f"{name}: {count} chunks, first after {first:.3f} s, last after {last:.3f} s")
         assert count >= 5 and first < last / 2, name
+
+
+def test_chat_openai_tool_round_trip_with_spans(server: str) -> None:
+    """ChatOpenAI with tools bound and the documents as spans: a forced call comes back as
+    OpenAI tool calls, the tool's result goes back as a ToolMessage, and a later call over the
+    documents in another order reads them from the cache."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def lighthouse_height(name: str) -> str:
+        """The height of a lighthouse, by its name."""
+        return f"The {name} lighthouse is 34 metres tall."
+
+    docs = _tagged("Tools")
+    llm = ChatOpenAI(base_url=f"{server}/v1", api_key=API_KEY, model=MODEL, temperature=0,
+                     max_tokens=48, max_retries=0, extra_body={"spans": docs})
+
+    def question(order: list[str]) -> HumanMessage:
+        return HumanMessage("Documents:\n" + "\n\n".join(order)
+                            + "\n\nQuestion: how tall is the Varnholm lighthouse?")
+
+    first = llm.bind_tools([lighthouse_height], tool_choice="lighthouse_height").invoke(
+        [question(docs)])
+    [call] = first.tool_calls
+    assert call["name"] == "lighthouse_height" and isinstance(call["args"].get("name"), str)
+    assert first.response_metadata["finish_reason"] == "tool_calls"
+    result = ToolMessage(lighthouse_height.invoke(call["args"]), tool_call_id=call["id"])
+    auto = llm.bind_tools([lighthouse_height])
+    second = auto.invoke([question(docs), first, result])
+    assert second.content or second.tool_calls  # "auto": an answer or another call
+    again = auto.invoke([question(docs[::-1]), first, result])
+    usage = again.usage_metadata
+    # the three documents (about 150 tokens each) come from the cache in their new order
+    assert usage["input_token_details"]["cache_read"] >= 300, usage
+    # streamed, the same answer arrives (whole: its JSON form is not the client's content)
+    whole = None
+    for chunk in auto.stream([question(docs), first, result]):
+        whole = chunk if whole is None else whole + chunk
+    assert whole.content == second.content
+    assert [c["name"] for c in whole.tool_calls] == [c["name"] for c in second.tool_calls]

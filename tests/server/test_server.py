@@ -7,13 +7,13 @@ import json
 
 import httpx
 import pytest
+from serving_fixtures import running_server, signed_in
 
 from span_workflows.builders import g, judge_generator, rag, user
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Plus
 from span_workflows.json_ir import to_obj
 from span_workflows.serving.client import SpanServer
-from span_workflows.serving.launch import start_server_process, stop_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -32,21 +32,13 @@ def _rag(docs: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = start_server_process(
-        api_key=API_KEY, kv_cache_gib=1, timeout=240, log_path=log, max_model_len=4096,
-    )
-    try:
+    with running_server(tmp_path_factory.mktemp("server"), API_KEY, timeout=240) as url:
         yield url
-    finally:
-        stop_server_process(proc)
-        assert proc.poll() is not None
 
 
 @pytest.fixture(scope="module")
 def http(server: str):
-    with httpx.Client(base_url=server, timeout=300,
-                      headers={"Authorization": f"Bearer {API_KEY}"}) as client:
+    with signed_in(server, API_KEY) as client:
         yield client
 
 

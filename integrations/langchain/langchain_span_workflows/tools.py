@@ -28,7 +28,7 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
 from span_workflows.result import Result
-from span_workflows.sampling import Sampling, render_calls, render_content
+from span_workflows.sampling import Sampling, render_calls, render_content, render_tool_result
 
 #: Model fields that are sampling options (``None``: vLLM's default).
 SAMPLING_FIELDS = ("top_p", "top_k", "seed", "logprobs", "presence_penalty",
@@ -155,9 +155,8 @@ def called_this_turn(messages: Sequence[BaseMessage], sampling: Sampling) -> tup
 
 def tool_result_text(message: ToolMessage, name: str | None) -> str:
     """A tool's result as the user turn the model reads."""
-    tool = name or message.name or "tool"
-    status = " an error" if message.status == "error" else ""
-    return f"Tool {tool} returned{status}: {message.text}"
+    return render_tool_result(name or message.name or "tool", message.text,
+                              error=message.status == "error")
 
 
 def tool_calls_of(result: Result) -> list:

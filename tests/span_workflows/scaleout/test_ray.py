@@ -36,7 +36,8 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    options = ClusterOptions(replicas=2, num_cpus=0.1, imbalance_threshold=4,
+    # max_share off: these tests follow affinity and faults, the bound has its own test
+    options = ClusterOptions(replicas=2, num_cpus=0.1, imbalance_threshold=4, max_share=None,
                              server_command=(sys.executable, str(STUB), "{port}"),
                              env={"STUB_DIR": str(stub_dir)}, request_timeout_s=60)
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")

@@ -10,7 +10,9 @@ from span_workflows.apps.bench_route import run_route
 from span_workflows.scaleout.affinity import AffinityOptions, SpanKey
 from span_workflows.scaleout.simulate import (
     ROUTERS,
+    STOCK_ROUTERS,
     LruSpanCache,
+    PrefixLruCache,
     PrefixSimRouter,
     Query,
     TraceOptions,
@@ -41,6 +43,46 @@ def test_lru_cache_hits_and_evicts() -> None:
     assert cache.read([SpanKey("b", 10)]) == 0
 
 
+def test_stock_prefix_cache_reads_only_the_same_order() -> None:
+    cache = PrefixLruCache(1000)
+    first = Query((1, 2, 3), (10, 20, 30))
+    assert cache.read(first.prefix_keys()) == 0
+    assert cache.read(first.prefix_keys()) == 60
+    assert cache.read(Query((1, 2, 4), (10, 20, 5)).prefix_keys()) == 30  # the shared prefix
+    assert cache.read(Query((2, 1, 3), (20, 10, 30)).prefix_keys()) == 0  # another order
+    assert cache.read(Query((1, 3), (10, 30)).prefix_keys()) == 10  # after a miss: nothing
+    small = PrefixLruCache(25)
+    small.read(first.prefix_keys())  # 60 tokens in a 25-token cache: only the last stays
+    assert small.read(first.prefix_keys()) == 0
+
+
+def test_bounded_load_spreads_a_hot_document() -> None:
+    from span_workflows.scaleout.affinity import SpanAffinityPolicy
+
+    hot = [SpanKey("hot", 100)]
+    loads = {r: 0 for r in range(4)}
+
+    def homes(options: AffinityOptions) -> list[int]:
+        policy = SpanAffinityPolicy(options, seed=0)
+        out = []
+        for _ in range(64):
+            replica = policy.choose(hot, loads)
+            policy.record(replica, hot)
+            out.append(replica)
+        return out
+
+    unbounded = homes(AffinityOptions(imbalance_threshold=0, max_share=None))
+    assert len(set(unbounded)) == 1  # pure affinity: every query on one replica
+    bounded = homes(AffinityOptions(imbalance_threshold=0, max_share=1.25,
+                                    window_per_replica=4))
+    # the bound holds once a window (4 × 4 queries) has been seen: no replica takes more
+    # than 1.25 × its share of the later queries (one query of slack per window)
+    later = bounded[16:]
+    counts = [later.count(r) for r in range(4)]
+    assert max(counts) <= 1.25 * len(later) / 4 + len(later) / 16, counts
+    assert len(set(later)) >= 3
+
+
 def test_prefix_model_matches_order_not_content() -> None:
     router = PrefixSimRouter(system_tokens=2, question_tokens=4)
     q1 = Query((1, 2, 3), (10, 10, 10))
@@ -60,10 +102,13 @@ def test_span_affinity_beats_the_others_at_scale() -> None:
     trace = make_trace(options)
     affinity = AffinityOptions(capacity_tokens=8000, imbalance_threshold=0)
     results = {name: simulate(trace, make_router(name, options, affinity), 1 if name == "single"
-                              else 16, 8000, name=name) for name in ROUTERS}
+                              else 16, 8000, name=name, stock=name in STOCK_ROUTERS)
+               for name in ROUTERS}
     span = results["span-affinity"]
     assert span.hit_rate >= 0.9 * results["single"].hit_rate
     assert span.hit_rate > results["prefix-affinity"].hit_rate
+    # stock replicas reuse a document only after the same documents in the same order
+    assert span.hit_rate >= 2 * results["stock-prefix-affinity"].hit_rate
     assert span.hit_rate > results["power-of-two"].hit_rate
     assert span.max_load_ratio <= 1.5
     assert sum(span.per_replica) == 1500 and len(span.per_replica) == 16

@@ -22,6 +22,12 @@ def _body(**extra: object) -> dict:
         "spans": [DOC_B, DOC_A], **extra}
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
 def test_listed_texts_become_one_plus_wherever_the_template_put_them() -> None:
     chat = chat_wire.parse_span_chat(_body(max_tokens=7, temperature=0, n=2, seed=5,
                                            stop="END", top_p=0.5, cache_salt="t",
@@ -54,9 +60,21 @@ def test_text_parts_and_developer_role() -> None:
     ({"spans": []}, "spans", "non-empty list"),
     ({"spans": [DOC_A, 3]}, "spans[1]", "non-empty string"),
     ({"spans": ["Tower was complete"]}, "spans", "not found"),  # inside a word only
-    ({"tools": [{"type": "function"}]}, "tools", "not supported"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools", "non-empty 'name'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tools", "tool_choice"),
+    ({"tools": [WEATHER], "n": 2}, "n", "must be 1"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "JSON schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "'yaml'"),
     ({"logprobs": True}, "logprobs", "not supported"),
-    ({"messages": [{"role": "tool", "content": DOC_A}]}, "messages[0].role", "'tool'"),
+    ({"messages": [{"role": "tool", "content": DOC_A, "tool_call_id": "c1"}]},
+     "messages[0].tool_call_id", "names no tool call"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "weather", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "JSON object"),
+    ({"messages": [{"role": "robot", "content": DOC_A}]}, "messages[0].role", "'robot'"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]", "only text"),
 ])
@@ -86,3 +104,54 @@ def test_answer_shapes() -> None:
                              "prompt_tokens_details": {"cached_tokens": 40}}
     last = chat_wire.usage_chunk_body(result, request_id="x", created=1, model="m")
     assert last["object"] == "chat.completion.chunk" and last["choices"] == []
+
+
+def test_tools_and_a_tool_turn_become_the_engine_s_sampling_and_history() -> None:
+    body = _body(tools=[WEATHER], tool_choice={"type": "function",
+                                               "function": {"name": "weather"}})
+    body["messages"] += [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c2", "type": "function",
+             "function": {"name": "weather", "arguments": '{"city": "Tokyo"}'}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "Rain."},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sun."}]
+    chat = chat_wire.parse_span_chat(body)
+    sampling = chat.node.sampling
+    assert chat.uses_tools and [t.name for t in sampling.tools] == ["weather"]
+    assert sampling.tool_choice == "weather"
+    kids = chat.node.input.children
+    assert json.loads(kids[-2].text)["tool_calls"][1] == {"name": "weather",
+                                                          "arguments": {"city": "Tokyo"}}
+    # the two results of one turn commute
+    assert kids[-1] == Plus((User("Tool weather returned: Rain."),
+                             User("Tool weather returned: Sun.")))
+
+
+def test_response_format_constrains_the_answer_to_a_schema() -> None:
+    schema = {"type": "object", "properties": {"year": {"type": "integer"}}}
+    chat = chat_wire.parse_span_chat(_body(response_format={
+        "type": "json_schema", "json_schema": {"name": "y", "schema": schema}}))
+    assert json.loads(chat.node.sampling.json_schema) == schema and not chat.uses_tools
+    loose = chat_wire.parse_span_chat(_body(response_format={"type": "json_object"}))
+    assert json.loads(loose.node.sampling.json_schema) == {"type": "object"}
+
+
+def test_a_tool_answer_is_shaped_as_openai_tool_calls() -> None:
+    from span_workflows.sampling import ToolCall
+
+    calls = [ToolCall("weather", {"city": "Paris"}, "call_1")]
+    result = Result("", Metrics(0.1, 50, 0, 9), ['{"tool_calls":[...]}'],
+                    finish_reason="tool_calls", tool_calls=calls)
+    body = chat_wire.completion_body(result, request_id="r", created=1, model="m",
+                                     finish_reasons={}, uses_tools=True)
+    [choice] = body["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call == {"id": "call_1", "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    plain = Result("Sunny.", Metrics(0.1, 50, 0, 9), ['{"content":"Sunny."}'])
+    body = chat_wire.completion_body(plain, request_id="r", created=1, model="m",
+                                     finish_reasons={}, uses_tools=True)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Sunny."}

@@ -37,7 +37,7 @@ from span_workflows.ir import Generate, role_name
 from span_workflows.model import DEFAULT_MODEL_NAME
 from span_workflows.result import Result
 from span_workflows.runner import Chunk, QueryRunner
-from span_workflows.sampling import Sampling, render_calls, render_content
+from span_workflows.sampling import Sampling, render_calls, render_content, render_tool_result
 
 R = TypeVar("R", CompletionResponse, ChatResponse)
 
@@ -282,7 +282,7 @@ def _pair(message: ChatMessage, names: dict[Any, Any], tools_bound: bool) -> tup
     if message.role == MessageRole.TOOL:
         call_id = message.additional_kwargs.get("tool_call_id")
         name = names.get(call_id) or message.additional_kwargs.get("name") or "tool"
-        return "tool", f"Tool {name} returned: {text}"
+        return "tool", render_tool_result(name, text)
     if message.role == MessageRole.ASSISTANT:
         calls = message.additional_kwargs.get("tool_calls")
         if calls:
