@@ -21,8 +21,9 @@ The generation is constrained by vLLM's structured outputs (xgrammar), so even a
 produces a parseable answer; :func:`parse_answer` reads it back. :func:`tool_instructions` is
 the text that describes the tools and the format to the model (a system message).
 
-Schemas are stored as canonical JSON text (sorted keys), so a ``Sampling`` is frozen and
-hashable like every IR node.
+Schemas are stored as compact JSON text in their own key order (xgrammar has the model write
+an object's properties in the schema's order), so a ``Sampling`` is frozen and hashable like
+every IR node.
 """
 
 from __future__ import annotations
@@ -39,15 +40,16 @@ TOOL_CHOICES = ("auto", "required", "none")
 CALLS_KEY, CONTENT_KEY = "tool_calls", "content"
 
 
-def canonical_json(value: Any) -> str:
-    """``value`` as canonical JSON text (sorted keys, no spaces): equal values, equal text."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+def compact_json(value: Any) -> str:
+    """``value`` as compact JSON text (no spaces), keys in their own order: a schema's
+    property order is the order its fields are generated in, so it is kept."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 @dataclass(frozen=True, slots=True)
 class ToolSpec:
     """A tool the model may call: its ``name``, a ``description`` and its ``parameters``
-    (a JSON schema of the arguments object, as canonical JSON text)."""
+    (a JSON schema of the arguments object, as compact JSON text)."""
 
     name: str
     description: str = ""
@@ -76,7 +78,7 @@ class ToolSpec:
         parameters = spec.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, Mapping):
             raise ValueError(f"tool {name!r}: 'parameters' must be a JSON schema object")
-        return cls(name, description, canonical_json(parameters))
+        return cls(name, description, compact_json(parameters))
 
     def to_dict(self) -> dict[str, Any]:
         """The inner OpenAI form: ``{"name", "description", "parameters"}``."""
@@ -92,7 +94,7 @@ class Sampling:
     ``logprobs`` top-k log-probabilities per generated token (``None``: none);
     ``presence_penalty``/``frequency_penalty`` in [-2, 2]; ``stop``: stop sequences, applied
     by the sampler (generation ends there; the stop text is not returned); ``json_schema``:
-    canonical JSON text of the schema the answer must satisfy; ``tools``/``tool_choice``: see
+    compact JSON text of the schema the answer must satisfy; ``tools``/``tool_choice``: see
     the module docstring; ``used_tools``: names of tools that stay described to the model (the
     prompt does not change) but may not be called in this answer, e.g. those an agent already
     called since the user's last message. ``json_schema`` and tools exclude each other.
@@ -132,7 +134,7 @@ class Sampling:
             if not isinstance(schema, Mapping):
                 raise ValueError(f"json_schema must be a JSON schema object, got "
                                  f"{type(schema).__name__}")
-            values["json_schema"] = canonical_json(schema)
+            values["json_schema"] = compact_json(schema)
         if values.get("used_tools") is not None:
             values["used_tools"] = tuple(values["used_tools"])
         if values.get("tools") is not None:
@@ -326,6 +328,6 @@ def _int(value: object) -> bool:
 
 __all__ = [
     "CALLS_KEY", "CONTENT_KEY", "Sampling", "TOOL_CHOICES", "ToolCall", "ToolSpec",
-    "answer_schema", "canonical_json", "parse_answer", "render_calls", "render_content",
+    "answer_schema", "compact_json", "parse_answer", "render_calls", "render_content",
     "render_tool_result", "tool_instructions",
 ]

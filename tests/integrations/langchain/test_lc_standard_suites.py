@@ -1,7 +1,9 @@
 """LangChain's standard test suites (langchain-tests) for SpanChatModel and SpanRetriever.
 
-Features the model does not have are skipped through the suites' own switches (each property
-below says why); the rest runs on the real engine of the session (``engine`` fixture)."""
+Features the model does not have (images, audio, PDF; a per-call model switch) are skipped
+through the suites' own switches; everything else, tool calling and structured output
+included, runs on the real engine of the session (``engine`` fixture). The tests the small
+default model answers wrongly are marked with the reason (see the integration class)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ class TestSpanChatModelIntegration(ChatModelIntegrationTests):
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
-        # Short answers keep the suite fast on a CPU.
-        return {"engine": type(self).engine, "max_tokens": 4}
+        # Room for a tool call or a small JSON object; plain answers end sooner.
+        return {"engine": type(self).engine, "max_tokens": 96}
 
     @property
     def supports_model_override(self) -> bool:
@@ -61,22 +63,53 @@ class TestSpanChatModelIntegration(ChatModelIntegrationTests):
         return False
 
     @property
-    def has_tool_calling(self) -> bool:
-        """Off here: the model has tool calling (test_lc_tools, test_lc_agent), but with
-        this suite's 4-token answers no call fits; at 48 tokens 13 of its 22 tool and
-        structured-output tests still fail (calls cut by max_tokens, schema mismatches)."""
-        return False
-
-    @property
-    def has_structured_output(self) -> bool:
-        """Off for the same reason as tool calling (see test_sampling_engine for JSON
-        schemas on the engine)."""
-        return False
+    def has_tool_choice(self) -> bool:
+        return True
 
     @property
     def supports_json_mode(self) -> bool:
-        """Off for the same reason as tool calling."""
-        return False
+        return True
+
+    # Tool calling and structured output run. Where the 135M default model answers wrongly
+    # (not where the engine does), the test is marked: the call is well-formed (constrained
+    # decoding) but its argument is not the one asked for, or the model repeats itself inside
+    # a JSON string until max_tokens cuts the object short.
+    _WRONG_ARGUMENT = ("SmolLM2-135M calls magic_function with another number than the "
+                       "question's 3 (the call itself is valid)")
+    _REPEATS = ("SmolLM2-135M repeats one phrase inside the joke's JSON string until "
+                "max_tokens ends it, so no complete object comes back")
+
+    @pytest.mark.xfail(reason="JSON mode constrains the answer to any JSON object (as OpenAI's "
+                              "does); SmolLM2-135M nests one key instead of writing the joke",
+                       strict=False)
+    def test_json_mode(self, model: Any) -> None:
+        super().test_json_mode(model)
+
+    @pytest.mark.xfail(reason=_WRONG_ARGUMENT, strict=False)
+    def test_tool_calling(self, model: Any) -> None:
+        super().test_tool_calling(model)
+
+    @pytest.mark.xfail(reason=_WRONG_ARGUMENT, strict=False)
+    async def test_tool_calling_async(self, model: Any) -> None:
+        await super().test_tool_calling_async(model)
+
+    @pytest.mark.xfail(reason=_REPEATS, strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    def test_structured_output(self, model: Any, schema_type: str) -> None:
+        super().test_structured_output(model, schema_type)
+
+    @pytest.mark.xfail(reason=_REPEATS, strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
+    async def test_structured_output_async(self, model: Any, schema_type: str) -> None:
+        await super().test_structured_output_async(model, schema_type)
+
+    @pytest.mark.xfail(reason=_REPEATS, strict=False)
+    def test_structured_output_pydantic_2_v1(self, model: Any) -> None:
+        super().test_structured_output_pydantic_2_v1(model)
+
+    @pytest.mark.xfail(reason=_REPEATS, strict=False)
+    def test_structured_output_optional_param(self, model: Any) -> None:
+        super().test_structured_output_optional_param(model)
 
     @property
     def supports_image_inputs(self) -> bool:
