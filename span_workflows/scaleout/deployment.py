@@ -278,23 +278,9 @@ def _label(text: str, name: str) -> int | None:
 
 
 def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    import httpx
+    from span_workflows.serving.launch import wait_until_healthy
 
-    from span_workflows.serving.launch import ServerStartError, stop_server_process
-
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise ServerStartError(f"server exited with code {proc.returncode} before healthy")
-        try:
-            if httpx.get(url + wire.HEALTH_PATH, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop_server_process(proc)
-            raise ServerStartError(f"server at {url} not healthy after {timeout:.0f} s")
-        time.sleep(0.2)
+    wait_until_healthy(proc, url, timeout)
 
 
 # --------------------------------------------------------------------------------------------

@@ -174,7 +174,6 @@ def start_server_process(
     to ``log_path`` (default: discarded). Raises :class:`ServerStartError` if the process exits
     or is not healthy within ``timeout`` seconds (it is stopped then).
     """
-    import httpx
 
     port = free_port(host) if port is None else int(port)
     cmd = server_command(model, host, port, None, block_size, extra_args,
@@ -188,6 +187,17 @@ def start_server_process(
         if log_path is not None:
             log.close()  # type: ignore[union-attr]
     url = f"http://{_url_host(host)}:{port}"
+    wait_until_healthy(proc, url, timeout, log_path)
+    return proc, url
+
+
+def wait_until_healthy(proc: subprocess.Popen, url: str, timeout: float,
+                       log_path: str | Path | None = None) -> None:
+    """Wait until the span server ``proc`` answers ``/health`` at ``url`` with 200. Raises
+    :class:`ServerStartError` if it exits first, or is not healthy within ``timeout`` seconds
+    (it is stopped then); ``log_path``, where its output went, is named in the error."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while True:
         code = proc.poll()
@@ -198,13 +208,13 @@ def start_server_process(
             )
         try:
             if httpx.get(url + HEALTH_PATH, timeout=2.0).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             stop_server_process(proc)
             raise ServerStartError(f"span server at {url} not healthy after {timeout:.0f} s")
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def stop_server_process(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
