@@ -84,12 +84,16 @@ def test_a_streamed_query_is_passed_through(cluster) -> None:
     assert resp.headers["x-span-replica"] == plain.headers["x-span-replica"]
 
 
-def chat(url: str, docs: list[str], question: str, **extra) -> httpx.Response:
+def chat_body(docs: list[str], question: str, **extra) -> dict:
     context = "\n\n".join(docs)
-    body = {"model": "m", "messages": [{"role": "system", "content": "Answer briefly."},
+    return {"model": "m", "messages": [{"role": "system", "content": "Answer briefly."},
                                        {"role": "user", "content": f"{context}\n\n{question}"}],
             "spans": docs, **extra}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=90)
+
+
+def chat(url: str, docs: list[str], question: str, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=chat_body(docs, question, **extra),
+                      timeout=90)
 
 
 def test_chat_with_spans_follows_its_spans_in_any_order(cluster) -> None:
@@ -99,10 +103,10 @@ def test_chat_with_spans_follows_its_spans_in_any_order(cluster) -> None:
     home = first.headers["x-span-replica"]
     again = chat(cluster, [DOCS[7], DOCS[5], DOCS[6]], "Another?")
     assert again.headers["x-span-replica"] == home
+    # span keys name a span's content and the context before its plus (the same system
+    # message here), not its position: two of the documents, streamed, go home too
     with httpx.stream("POST", cluster + "/v1/chat/completions", timeout=90,
-                      json={"model": "m", "spans": DOCS[5:7], "stream": True,
-                            "messages": [{"role": "user",
-                                          "content": DOCS[6] + "\n\n" + DOCS[5]}]}) as s:
+                      json=chat_body([DOCS[6], DOCS[5]], "Streamed?", stream=True)) as s:
         assert s.status_code == 200 and s.headers["x-span-replica"] == home
         assert "chat.completion.chunk" in "".join(s.iter_text())
 
