@@ -103,7 +103,8 @@ class ReplicaSpanCache:
 class SpanAffinityPolicy:
     """Chooses a replica per query from its span keys and the replicas' loads.
 
-    Contract: :meth:`choose` reads the map and never changes it; :meth:`record` must follow
+    Contract: :meth:`choose` reads the map and never changes it (it only lets the oldest
+    queries leave the window of recent ones that ``max_share`` counts); :meth:`record` must follow
     with the replica the query was actually sent to (a request routed elsewhere, e.g. after a
     failure, is recorded there). :meth:`drop` forgets a replica (it died: its cache is gone);
     a replica seen again starts empty. Ties go to the lighter load, then at random (``seed``).

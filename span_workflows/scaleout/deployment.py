@@ -148,7 +148,12 @@ class SpanReplica:
     def _start(self) -> tuple[subprocess.Popen, str]:
         """Start the server in its own process group, with a watchdog that ends the group if
         this replica's process dies without stopping it (Ray kills actors with SIGKILL)."""
-        from span_workflows.serving.launch import free_port, server_command, server_env
+        from span_workflows.serving.launch import (
+            free_port,
+            server_command,
+            server_env,
+            wait_until_healthy,
+        )
 
         opts = self.options
         port = free_port()
@@ -166,7 +171,7 @@ class SpanReplica:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         self.watchdog = _watchdog(proc.pid)
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(proc, url, opts.start_timeout_s)
+        wait_until_healthy(proc, url, opts.start_timeout_s)
         return proc, url
 
     def check_health(self) -> None:
@@ -275,12 +280,6 @@ def _replica_name() -> str:
 def _label(text: str, name: str) -> int | None:
     found = re.search(rf'[{{,]{name}="(\d+)"', text)
     return int(found.group(1)) if found else None
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> None:
-    from span_workflows.serving.launch import wait_until_healthy
-
-    wait_until_healthy(proc, url, timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,6 +441,12 @@ class SpanIngressCore:
         return relabel_metrics(texts)
 
 
+def _routed_response(answer: ReplicaAnswer) -> Response:
+    """A replica's answer to a routed call, naming the replica in ``x-span-replica``."""
+    return Response(answer.body, status_code=answer.status, media_type=answer.media_type,
+                    headers={"x-span-replica": answer.replica} if answer.replica else None)
+
+
 def _error_answer(status: int, message: str) -> ReplicaAnswer:
     err = SpanQueryError("", message)
     return ReplicaAnswer(status, json.dumps(wire.error_body(err)).encode(), "application/json")
@@ -499,8 +504,7 @@ def make_ingress_app(core_factory: Any) -> Any:
         if parsed.stream if stream is None else stream:
             return await _streamed(core, query, StreamingResponse, path)
         answer = await core.execute(query, path)
-        return Response(answer.body, status_code=answer.status, media_type=answer.media_type,
-                        headers={"x-span-replica": answer.replica} if answer.replica else None)
+        return _routed_response(answer)
 
     @app.post(chat_wire.CHAT_PATH)
     async def chat(request: Request) -> Response:
@@ -520,8 +524,7 @@ def make_ingress_app(core_factory: Any) -> Any:
         if chat.stream:
             return await _streamed(core, query, StreamingResponse, chat_wire.CHAT_PATH)
         answer = await core.execute(query, chat_wire.CHAT_PATH)
-        return Response(answer.body, status_code=answer.status, media_type=answer.media_type,
-                        headers={"x-span-replica": answer.replica} if answer.replica else None)
+        return _routed_response(answer)
 
     async def openai_route(core: SpanIngressCore, path: str, body: bytes) -> Response:
         from span_workflows.scaleout.ray_router import RoutedQuery

@@ -33,7 +33,7 @@ import random
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from span_workflows.scaleout.affinity import AffinityOptions, SpanAffinityPolicy, SpanKey
 
@@ -128,49 +128,36 @@ class LruSpanCache:
     capacity_tokens: int
     entries: OrderedDict[object, int] = field(default_factory=OrderedDict)
     tokens: int = 0
+    #: keys chain (a prefix cache): nothing after the first key not cached is read from it
+    chained: ClassVar[bool] = False
 
     def read(self, keys: Sequence[SpanKey]) -> int:
         """Serve a query reading ``keys``: return the tokens found cached; cache the rest."""
         hit = 0
+        missed = False
         for k in keys:
             if k.key in self.entries:
                 self.entries.move_to_end(k.key)
-                hit += k.tokens
+                if not (self.chained and missed):
+                    hit += k.tokens
+                    continue
             else:
                 self.entries[k.key] = k.tokens
                 self.tokens += k.tokens
-        self._evict()
-        return hit
-
-    def _evict(self) -> None:
-        """Drop the least recently used entries until the cache fits its capacity."""
+            missed = True
         while self.tokens > self.capacity_tokens and self.entries:
             _, size = self.entries.popitem(last=False)
             self.tokens -= size
+        return hit
 
 
 @dataclass
 class PrefixLruCache(LruSpanCache):
-    """A stock prefix cache: like :class:`LruSpanCache` over :meth:`Query.prefix_keys`, but
-    reading stops at the first key not cached (what follows a miss is computed again, as in
-    vLLM, whose block hashes chain)."""
+    """A stock prefix cache over :meth:`Query.prefix_keys`: reading stops at the first key
+    not cached (what follows a miss is computed again, as in vLLM, whose block hashes
+    chain)."""
 
-    def read(self, keys: Sequence[SpanKey]) -> int:
-        hit = 0
-        missed = False
-        for k in keys:
-            if not missed and k.key in self.entries:
-                self.entries.move_to_end(k.key)
-                hit += k.tokens
-                continue
-            missed = True
-            if k.key in self.entries:
-                self.entries.move_to_end(k.key)
-            else:
-                self.entries[k.key] = k.tokens
-                self.tokens += k.tokens
-        self._evict()
-        return hit
+    chained: ClassVar[bool] = True
 
 
 @dataclass(frozen=True, slots=True)

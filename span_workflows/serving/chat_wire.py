@@ -76,8 +76,11 @@ class SpanChat:
     cache_salt: str | None = None
     #: more vLLM ``SamplingParams`` fields for the answer (:data:`SAMPLING_FIELDS`)
     sampling: dict[str, Any] = field(default_factory=dict)
-    #: the answer is in the tool answer format (tools given, choice not ``"none"``)
-    uses_tools: bool = False
+
+    @property
+    def uses_tools(self) -> bool:
+        """The answer is in the tool answer format (tools given, choice not ``"none"``)."""
+        return self.node.sampling.uses_tools
 
 
 def has_spans(body: bytes) -> bool:
@@ -132,7 +135,7 @@ def parse_span_chat(obj: Mapping[str, Any],
     salt = obj.get("cache_salt")
     return SpanChat(node, obj.get("model"), bool(obj.get("stream", False)),
                     bool(isinstance(options, dict) and options.get("include_usage")),
-                    salt if salt else None, sampling, constraint.uses_tools)
+                    salt if salt else None, sampling)
 
 
 def _constraint(obj: Mapping[str, Any]) -> Sampling:
@@ -160,7 +163,7 @@ def _constraint(obj: Mapping[str, Any]) -> Sampling:
     try:
         return Sampling.from_options(options)
     except ValueError as exc:
-        raise SpanQueryError("tools" if "tool" in str(exc) else "response_format",
+        raise SpanQueryError("tools" if "tools" in options else "response_format",
                              str(exc)) from None
 
 
