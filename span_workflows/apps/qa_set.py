@@ -8,6 +8,11 @@ from exactly one document: its *target*. The other documents of a question (dist
 the targets of other questions — about other entities of the same kinds — so the same documents
 recur across questions, as they do in a real retrieval workload.
 
+Two document sizes: ``"short"`` (one paragraph, 65–85 tokens) and ``"long"`` (256–512 tokens,
+what a RAG chunker returns): the short paragraph's sentences, the fact sentences among them,
+spread at random depths among sentences about the same entity that state none of its facts and
+name no other person, year or town (:func:`long_document`).
+
 >>> qs = make_questions(8, n_docs=4, seed=1)
 >>> len(qs), len(qs[0].documents), qs[0].documents[qs[0].target] == qs[0].answer_document
 (8, 4, True)
@@ -18,6 +23,7 @@ from __future__ import annotations
 import random
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _ONSETS = ("b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "l", "m", "n", "p", "qu", "r",
@@ -113,6 +119,94 @@ _DETAILS: dict[str, tuple[str, ...]] = {
     "bridge": ("pale grey granite", "red river stone", "dark iron and oak"),
 }
 
+#: Sentences about any entity that state none of its facts (no person, year or town): the
+#: body of a long document. ``{title}`` is the entity's title, ``{noun}`` what it is.
+_FILLER: tuple[str, ...] = (
+    "Local guidebooks describe {title} as one of the sights a visitor should not miss.",
+    "Over the years the {noun} has been repaired many times, always with care to keep its "
+    "original look.",
+    "Painters often set up their easels nearby to catch the {noun} in the early morning light.",
+    "A small society of volunteers looks after {title} and raises money for its upkeep.",
+    "School classes come to see the {noun} in spring, when the weather is mild.",
+    "Old postcards of {title} are still sold in the shops of the region.",
+    "The records of the {noun} fill several shelves in the regional archive.",
+    "Many people who grew up in the area remember their first visit to {title}.",
+    "On festival days the {noun} is decorated with garlands of green leaves and ribbons.",
+    "A short booklet about the history of {title} is given to every visitor for free.",
+    "Photographers like the {noun} best on grey days, when its outline stands out sharply.",
+    "In winter fewer visitors come, and the {noun} is quiet for weeks at a time.",
+    "The path to {title} is lined with old trees that were planted long ago.",
+    "Its upkeep is paid for partly by donations and partly by a small entrance fee.",
+    "Some say that the {noun} brings luck to those who see it on their wedding day.",
+    "A model of {title} stands in the entrance hall of the regional museum.",
+    "The {noun} has appeared in several novels and in at least one well-known song.",
+    "Storms have damaged it more than once, but it was always rebuilt in the same style.",
+    "Guided tours of the {noun} take about an hour and end with a cup of tea.",
+    "Local children learn a rhyme about {title} before they can read.",
+    "The {noun} is marked on the oldest maps of the coast and the valley.",
+    "People in the region are proud of the {noun} and speak of it as their own.",
+    "A bench near {title} offers a fine view of the countryside around it.",
+    "The wooden signs that point the way to the {noun} were carved by hand.",
+    "Travellers have written about {title} in letters and diaries for generations.",
+    "The {noun} is busiest in late summer, when the roads are dry and the days are long.",
+    "Its name is painted in tall white letters above the main entrance.",
+    "A careful survey of the {noun} found its foundations in good order.",
+    "Every few years a new coat of paint protects its woodwork from the weather.",
+    "The small garden beside {title} is kept by the same family who keeps its keys.",
+    "Visitors are asked not to touch the older fittings of the {noun}.",
+    "Birds nest under its eaves each spring, and nobody has the heart to move them.",
+    "The {noun} was once threatened with demolition, but the plan was dropped after protests.",
+    "A brass plaque by the door tells, in a few lines, why {title} matters.",
+    "At dusk the {noun} casts a long shadow across the ground in front of it.",
+    "Musicians sometimes play near {title} on warm evenings, and people gather to listen.",
+    "A local baker sells a small cake shaped like the {noun}.",
+    "The {noun} is said to look its best after a night of rain.",
+    "Each autumn the volunteers hold an open day, when every room of the {noun} can be seen.",
+    "The view from {title} has hardly changed in a hundred years.",
+)
+_NOUNS: dict[str, str] = {"lighthouse": "lighthouse", "workshop": "workshop", "ship": "ship",
+                          "festival": "festival", "observatory": "observatory",
+                          "bridge": "bridge"}
+#: How many tokens a long document has (the range a RAG chunker returns).
+LONG_DOC_TOKENS: tuple[int, int] = (256, 512)
+DOC_SIZES: tuple[str, ...] = ("short", "long")
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=\.)\s+", text.strip()) if s]
+
+
+def _approx_tokens(text: str) -> int:
+    """SmolLM2's tokenizer takes about 4.4 characters per token on this text."""
+    return round(len(text) / 4.4)
+
+
+def long_document(entity: Entity, rng: random.Random, tokens: int,
+                  count_tokens: Callable[[str], int] = _approx_tokens) -> str:
+    """A document of about ``tokens`` tokens (``count_tokens`` measures): ``entity``'s short
+    paragraph cut into sentences, each put at a random depth (in their order) among filler
+    sentences about the same entity, which state none of its facts."""
+    facts = _sentences(entity.document())
+    noun = _NOUNS[entity.kind]
+    pool = [f.format(title=entity.title, noun=noun) for f in _FILLER]
+    rng.shuffle(pool)
+    filler: list[str] = []
+    budget = tokens - count_tokens(" ".join(facts))
+    for sentence in pool:
+        if budget <= 0:
+            break
+        filler.append(sentence)
+        budget -= count_tokens(sentence) + 1
+    # Fact sentences at random depths, keeping their order (the second refers to the first).
+    slots = sorted(rng.sample(range(len(filler) + len(facts)), len(facts)))
+    body: list[str] = []
+    fact_iter, fill_iter = iter(facts), iter(filler)
+    for i in range(len(filler) + len(facts)):
+        body.append(next(fact_iter) if i in slots else next(fill_iter))
+    text = " ".join(body)
+    return text[0].upper() + text[1:]
+
+
 #: fact → the Entity attribute that answers it
 QUESTION_KINDS: dict[str, str] = {"who": "person", "when": "year", "where": "town"}
 #: kind → (who, when, where) question templates
@@ -168,13 +262,25 @@ def make_entities(count: int, seed: int = 0) -> list[Entity]:
     return entities
 
 
-def make_questions(count: int, n_docs: int, seed: int = 0) -> list[Question]:
+def make_questions(count: int, n_docs: int, seed: int = 0, *, size: str = "short",
+                   count_tokens: Callable[[str], int] | None = None) -> list[Question]:
     """``count`` questions, each over ``n_docs`` documents in random order, exactly one of
-    which answers it. Facts cycle through who / when / where."""
+    which answers it. Facts cycle through who / when / where. ``size`` is ``"short"`` or
+    ``"long"`` (:data:`LONG_DOC_TOKENS`, measured with ``count_tokens``, e.g. a tokenizer's;
+    by default estimated from characters). The entities, facts and questions of both sizes
+    are the same for one seed."""
     if n_docs < 1 or n_docs > count:
         raise ValueError("n_docs must be between 1 and count")
+    if size not in DOC_SIZES:
+        raise ValueError(f"size must be one of {', '.join(DOC_SIZES)}, not {size!r}")
     entities = make_entities(count, seed)
-    documents = [e.document() for e in entities]
+    if size == "short":
+        documents = [e.document() for e in entities]
+    else:
+        doc_rng = random.Random(seed * 104729 + 17)
+        low, high = LONG_DOC_TOKENS
+        documents = [long_document(e, doc_rng, doc_rng.randint(low + 16, high - 16),
+                                   count_tokens or _approx_tokens) for e in entities]
     rng = random.Random(seed * 7919 + n_docs)
     facts = list(QUESTION_KINDS)
     questions = []
@@ -221,5 +327,5 @@ def _unique(rng: random.Random, used: set[str], make) -> str:  # type: ignore[no
     raise RuntimeError("ran out of unique invented names")
 
 
-__all__ = ["Entity", "QUESTION_KINDS", "Question", "is_correct", "make_entities",
-           "make_questions", "normalize"]
+__all__ = ["DOC_SIZES", "Entity", "LONG_DOC_TOKENS", "QUESTION_KINDS", "Question", "is_correct",
+           "long_document", "make_entities", "make_questions", "normalize"]

@@ -1,0 +1,336 @@
+"""``span-workflows tune``: LoRA fine-tuning that makes a model span-ready.
+
+The recipe (Block-Attention's, with this engine's exact span semantics): most examples are
+RAG queries in *span form* — the loss is taken on the answer after :func:`span_forward`, which
+computes the prompt as the engine does in span mode — the rest in *stock form* (the plain chat
+prompt) and a few plain-text passages with an ordinary language-modelling loss, so what the model
+does outside span mode is kept. Only LoRA adapters (``peft``) on the attention and MLP
+projections are trained; the base weights stay as they are.
+
+Training is resumable: every ``checkpoint_every`` optimizer steps the adapter, the optimizer,
+the learning-rate schedule and the position in the (deterministic) example stream are saved
+under ``OUT/checkpoint``; a run started again with the same settings continues from there.
+The finished adapter is ``OUT/adapter``; :func:`span_workflows.model.merge_adapter` folds it into
+the base weights as a plain checkpoint that vLLM serves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from span_workflows.errors import SpanQueryError
+
+#: The modules LoRA adapts (Llama-family names): attention and MLP projections.
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """What one tuning run trains; two runs with equal configs train the same adapter (up to
+    float nondeterminism), so a checkpoint resumes only a run with the same config."""
+
+    examples: int = 1000
+    seed: int = 0
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    learning_rate: float = 3e-4
+    warmup_steps: int = 8
+    accumulate: int = 8
+    #: shares of the example stream: span form (link blocks drawn below), plain text; the
+    #: rest is stock form
+    span_share: float = 0.7
+    text_share: float = 0.05
+    #: of the span-form examples, the share with one link block (the rest have none)
+    link_share: float = 0.2
+    block_sizes: tuple[int, ...] = (32, 32, 32, 16)
+    doc_tokens: tuple[int, int] = (64, 512)
+    docs_per_prompt: tuple[int, int] = (2, 10)
+    checkpoint_every: int = 10
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("examples", self.examples >= 1, "must be at least 1"),
+            ("rank", self.rank >= 1, "must be at least 1"),
+            ("accumulate", self.accumulate >= 1, "must be at least 1"),
+            ("learning_rate", self.learning_rate > 0, "must be positive"),
+            ("span_share", 0 <= self.span_share <= 1, "must be between 0 and 1"),
+            ("text_share", 0 <= self.text_share <= 1 - self.span_share,
+             "must be between 0 and 1 - span_share"),
+            ("link_share", 0 <= self.link_share <= 1, "must be between 0 and 1"),
+        ]
+        for name, ok, what in checks:
+            if not ok:
+                raise SpanQueryError(f"--{name.replace('_', '-')}", what)
+
+    @property
+    def optimizer_steps(self) -> int:
+        return math.ceil(self.examples / self.accumulate)
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+@dataclass
+class TuneReport:
+    """What a run did: its losses (one per optimizer step, the mean over its examples), how
+    long it took, and where the adapter is."""
+
+    adapter: Path
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    examples: int = 0
+    resumed_from: int = 0
+
+    @property
+    def seconds_per_1k(self) -> float:
+        """Seconds per 1000 examples, over the examples this process trained."""
+        trained = self.examples - self.resumed_from
+        return 1000 * self.seconds / trained if trained else float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class _Item:
+    """One example of the stream, ready for its forward: ``form`` is ``span``, ``stock`` or
+    ``text``."""
+
+    form: str
+    answer_ids: tuple[int, ...]
+    query: Any = None  # a TokenizedQuery (span form)
+    prompt_ids: tuple[int, ...] = ()
+
+
+class ExampleStream:
+    """The deterministic stream of training items for a config and tokenizer: item ``i`` is
+    the same whatever was trained before it (so a resumed run sees what it would have)."""
+
+    def __init__(self, config: TuneConfig, tokenizer: Any) -> None:
+        from span_workflows.compile import Compiler
+        from span_workflows.tune.data import make_examples, plain_passages
+
+        self.config = config
+        self.tokenizer = tokenizer
+
+        def count(text: str) -> int:
+            return len(tokenizer.encode(text, add_special_tokens=False))
+
+        self._count = count
+        self._examples = make_examples(config.examples, config.seed,
+                                       doc_tokens=config.doc_tokens,
+                                       docs_per_prompt=config.docs_per_prompt,
+                                       count_tokens=count)
+        self._texts = plain_passages(200, config.seed) or ["The quick brown fox."]
+        self._compilers = {b: Compiler.for_tokenizer(tokenizer, b)
+                           for b in set(config.block_sizes)}
+        self._end = _end_of_turn(tokenizer)
+
+    def __len__(self) -> int:
+        return self.config.examples
+
+    def item(self, index: int) -> _Item:
+        from span_workflows.builders import rag
+        from span_workflows.layout import SpanOptions
+        from span_workflows.optimize import optimize
+
+        cfg = self.config
+        rng = random.Random(cfg.seed * 1_000_003 + index)
+        roll = rng.random()
+        if roll < cfg.text_share:
+            ids = self.tokenizer.encode(self._texts[index % len(self._texts)],
+                                        add_special_tokens=False)
+            return _Item("text", tuple(ids[1:]), prompt_ids=tuple(ids[:1]))
+        example = self._examples[index]
+        answer = tuple(self.tokenizer.encode(example.answer, add_special_tokens=False)
+                       ) + (self._end,)
+        query = optimize(rag(example.system, example.documents, example.question,
+                             max_tokens=len(answer)))
+        compiler = self._compilers[rng.choice(cfg.block_sizes)]
+        if roll < cfg.text_share + cfg.span_share:
+            links = 1 if rng.random() < cfg.link_share else 0
+            tq = compiler.compile_generate(query, options=SpanOptions(link_blocks=links))
+            return _Item("span", answer, query=tq)
+        tq = compiler.compile_generate(query, span_mode=False)
+        return _Item("stock", answer, prompt_ids=tuple(tq.token_ids))
+
+    def __iter__(self) -> Iterator[_Item]:
+        return (self.item(i) for i in range(len(self)))
+
+
+def _end_of_turn(tokenizer: Any) -> int:
+    """The token that ends an assistant turn: ``<|im_end|>`` (ChatML) or EOS."""
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        return im_end
+    return int(tokenizer.eos_token_id)
+
+
+def item_loss(model: Any, item: _Item) -> Any:
+    """Mean cross-entropy of ``item``'s answer tokens under its form's forward."""
+    import torch
+
+    from span_workflows.tune.forward import span_forward, stock_forward
+
+    if item.form == "span":
+        logits = span_forward(model, item.query, item.answer_ids)
+    else:
+        logits = stock_forward(model, item.prompt_ids, item.answer_ids)
+    target = torch.tensor(item.answer_ids, device=logits.device)
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
+    """The base model (float32, on ``device``), its tokenizer and its directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from span_workflows.model import resolve_model
+
+    if device not in ("cpu", "cuda"):
+        raise SpanQueryError("--device", f"must be cpu or cuda, not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpanQueryError("--device", "cuda was asked for but torch sees no CUDA device")
+    path = resolve_model(model, progress=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
+    return base, tokenizer, path
+
+
+def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str = "cpu",
+         progress: bool = True, stop_after: int | None = None,
+         on_step: Callable[[int, float], None] | None = None) -> TuneReport:
+    """Train (or resume training) the LoRA adapter of ``config`` for ``model`` into ``out``.
+
+    ``stop_after`` ends the run after that many examples in total (a checkpoint is written),
+    as if the process had been stopped there: the next call resumes. Returns what was done;
+    the adapter is written to ``out/adapter`` when the stream is finished.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from tqdm.auto import tqdm
+
+    torch.manual_seed(config.seed)
+    base, tokenizer, base_path = load_base(model, device)
+    lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
+                      target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
+    peft_model = get_peft_model(base, lora)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
+    checkpoint = out / "checkpoint"
+    state = _load_state(checkpoint, config, model)
+    report = TuneReport(out / "adapter")
+    if state is not None:
+        set_peft_model_state_dict(peft_model, load_file(str(checkpoint / "adapter.safetensors")))
+        optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+        schedule.load_state_dict(torch.load(checkpoint / "schedule.pt", weights_only=True))
+        report.losses = list(state["losses"])
+        report.examples = report.resumed_from = int(state["examples"])
+        report.seconds = 0.0
+    stream = ExampleStream(config, tokenizer)
+    end = len(stream) if stop_after is None else min(len(stream), stop_after)
+    bar = tqdm(total=len(stream), initial=report.examples, desc="tune", unit="ex",
+               disable=not progress)
+    peft_model.train()
+    started = time.perf_counter()
+    window: list[float] = []
+    index = report.examples
+    while index < end:
+        batch_end = min(index + config.accumulate, len(stream))
+        for i in range(index, batch_end):
+            loss = item_loss(peft_model, stream.item(i))
+            (loss / (batch_end - index)).backward()
+            window.append(loss.item())
+            bar.update(1)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        report.losses.append(sum(window) / len(window))
+        window = []
+        index = batch_end
+        report.examples = index
+        bar.set_postfix(loss=f"{report.losses[-1]:.3f}",
+                        lr=f"{schedule.get_last_lr()[0]:.1e}")
+        if on_step is not None:
+            on_step(len(report.losses), report.losses[-1])
+        if len(report.losses) % config.checkpoint_every == 0 or index >= end:
+            report.seconds = time.perf_counter() - started
+            _save_checkpoint(checkpoint, peft_model, optimizer, schedule, config, model,
+                             report)
+    bar.close()
+    report.seconds = time.perf_counter() - started
+    if report.examples >= len(stream):
+        report.adapter.mkdir(parents=True, exist_ok=True)
+        peft_model.save_pretrained(str(report.adapter))
+        log = {"config": config.as_json(), "base_model": model or "smollm2-135m-instruct",
+               "base_dir": base_path.name, "losses": report.losses,
+               "examples": report.examples}
+        (report.adapter / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    return report
+
+
+def _lr_lambda(config: TuneConfig) -> Callable[[int], float]:
+    """Linear warm-up, then cosine decay to 10 % over the run's optimizer steps."""
+    total = max(config.optimizer_steps, 1)
+
+    def scale(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        progress = (step - config.warmup_steps) / max(total - config.warmup_steps, 1)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return scale
+
+
+def _load_state(checkpoint: Path, config: TuneConfig, model: str | None
+                ) -> dict[str, Any] | None:
+    """The saved state of a run with this config, or ``None`` (no checkpoint). A checkpoint
+    of another config is refused: resuming it would train something else."""
+    path = checkpoint / "state.json"
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    if state.get("config") != config.as_json() or state.get("model") != model:
+        raise SpanQueryError("--out", f"{checkpoint} holds a run with other settings; use "
+                                      f"another --out or delete it")
+    return state
+
+
+def _save_checkpoint(checkpoint: Path, model: Any, optimizer: Any, schedule: Any,
+                     config: TuneConfig, base: str | None, report: TuneReport) -> None:
+    """Write the resumable state atomically (a new directory renamed over the old one)."""
+    import shutil
+
+    import torch
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    tmp = checkpoint.with_name(checkpoint.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weights = {k: v.detach().cpu().contiguous()
+               for k, v in get_peft_model_state_dict(model).items()}
+    save_file(weights, str(tmp / "adapter.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(schedule.state_dict(), tmp / "schedule.pt")
+    (tmp / "state.json").write_text(json.dumps({
+        "config": config.as_json(), "model": base, "examples": report.examples,
+        "losses": report.losses}))
+    old = checkpoint.with_name(checkpoint.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if checkpoint.exists():
+        checkpoint.rename(old)
+    tmp.rename(checkpoint)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["ExampleStream", "TARGET_MODULES", "TuneConfig", "TuneReport", "item_loss",
+           "load_base", "tune"]
