@@ -17,6 +17,14 @@ Layout of a span-mode prompt (``|`` = a KV block boundary, ``.`` = padding)::
 Every span is computed in its own context first by *prepare* requests (``max_tokens=1``): for
 ``attend="prefix"`` the prefix followed by the span, for ``attend="self"`` the span alone. The
 main request then finds each span in the cache and the engine moves its keys to where it sits.
+Where the main request would compute a span in exactly its own context — the only span of the
+last plus in ``prefix`` mode, with nothing but ordered text after it
+(``TokenizedQuery.main_computes_from``) — it is not prepared: the main request computes it and
+its blocks are cached from there.
+
+Link blocks (``SpanOptions.link_blocks``) are computed by *link* requests, one per linked span
+(the prompt up to the end of its link blocks), all of one plus independent of each other: each
+reads the plus's context and the earlier spans of the plus as cached, so they run in one step.
 
 A G nested under a plus (``inline_prompt``) contributes its own prompt followed by its output, as
 an isolated span; a partial trailing block of that output is cropped (``crop=True``) because
@@ -112,14 +120,28 @@ class TokenizedQuery:
     prepare_stages: list[list[SpanPrompt]] = field(default_factory=list)
     segments: Segments = ()
     options: SpanOptions = field(default_factory=SpanOptions)
-    #: link requests (``SpanOptions.link_blocks``), to run in order after the prepares: each
-    #: computes one span's link blocks after everything before them
-    links: list[SpanPrompt] = field(default_factory=list)
+    #: link requests (``SpanOptions.link_blocks``) per stage (aligned with
+    #: ``prepare_stages``), to run after that stage's prepares: each computes one span's link
+    #: blocks after the context and the earlier spans of its plus as cached; the requests of
+    #: a stage are independent (one engine step)
+    link_stages: list[list[SpanPrompt]] = field(default_factory=list)
+    #: the token offset (a block boundary) from which the main request computes every block
+    #: in the context its segment promises: nothing there needs a prepare
+    main_computes_from: int = -1
+
+    def __post_init__(self) -> None:
+        if self.main_computes_from < 0:
+            self.main_computes_from = len(self.token_ids)
 
     @property
     def prepare(self) -> list[SpanPrompt]:
         """Every prepare prompt, stage after stage."""
         return [p for stage in self.prepare_stages for p in stage]
+
+    @property
+    def links(self) -> list[SpanPrompt]:
+        """Every link prompt, stage after stage."""
+        return [p for stage in self.link_stages for p in stage]
 
     @property
     def prompt(self) -> SpanPrompt:
@@ -250,8 +272,11 @@ class _Builder:
         self.tokens: list[int] = []
         self.spans: list[Span] = []
         self.segments: list[tuple] = []
-        self.links: list[tuple[int, int]] = []  # (segment index, link blocks)
+        self.links: list[list[tuple[int, int]]] = []  # per stage: (segment index, blocks)
         self.stages: list[list[SpanPrompt]] = []
+        #: per stage, whether its plus is one anchored span (computed in its own context
+        #: wherever the main request meets it), and where it starts and ends
+        self.single: list[tuple[bool, int, int]] = []
         self.roles: tuple[str, ...] = ()
 
     def build(self, items: list[tuple[str, Node]], g: Generate) -> TokenizedQuery:
@@ -278,29 +303,53 @@ class _Builder:
                 prefix = SpanPrompt(tuple(self.tokens[: first.length]))
                 self.stages[0].insert(0, prefix)
         segments = tuple(self.segments)
-        links = []
-        for index, count in self.links:
-            end = segments[index][0] + count * self.c.block_size
-            links.append(SpanPrompt(tuple(self.tokens[:end]), segments[: index + 1]))
+        link_stages = [[self._link_prompt(segments, index, count) for index, count in stage]
+                       for stage in self.links]
+        computes_from = self._main_computes_from()
+        # Nothing the main request computes in its own context is prepared.
+        stages = [stage if end <= computes_from else []
+                  for stage, (_, _, end) in zip(self.stages, self.single, strict=True)]
         return TokenizedQuery(
             self.tokens, self.spans, self.c.block_size, g.max_tokens, g.temperature, g.n,
-            self.stages, segments, self.options, links,
+            stages, segments, self.options, link_stages, computes_from,
         )
+
+    def _link_prompt(self, segments: Segments, index: int, count: int) -> SpanPrompt:
+        """The link request of segment ``index``: the prompt to the end of its link blocks,
+        the earlier spans of its plus unlinked (read as cached)."""
+        end = segments[index][0] + count * self.c.block_size
+        first = index
+        while first > 0 and segments[first - 1][1] != ORDERED:
+            first -= 1  # the first span of this plus
+        own = [s[:2] if first <= j < index else s for j, s in enumerate(segments[: index + 1])]
+        return SpanPrompt(tuple(self.tokens[:end]), tuple(own))
+
+    def _main_computes_from(self) -> int:
+        """Walking back from the end: ordered runs and pluses of one anchored span are
+        computed by the main request in their own context; the first plus that is not stops
+        the walk (its spans must come from the cache, and so must everything before them)."""
+        for single, _, end in reversed(self.single):
+            if not single:
+                return end
+        return 0
 
     def _group(self, base: str, plus: Plus) -> None:
         """One plus: its children as spans, all anchored at the context before them."""
         start = len(self.tokens)
         context = SpanPrompt(tuple(self.tokens), tuple(self.segments))
         stage: list[SpanPrompt] = []
+        links: list[tuple[int, int]] = []
+        kinds: list[str] = []
         for i, child in enumerate(plus.children):
             offset = len(self.tokens)
             kind, seg = self._span(child_path(base, plus, i), child)
+            kinds.append(kind)
             # Link blocks: a span that does not already follow its context directly.
             link = 0
             if not isinstance(child, Generate) and (kind == ISOLATED or i > 0):
                 link = min(self.options.link_blocks, len(seg) // self.c.block_size)
             if link:
-                self.links.append((len(self.segments), link))
+                links.append((len(self.segments), link))
                 self.segments.append((offset, kind, link))
             else:
                 self.segments.append((offset, kind))
@@ -310,6 +359,8 @@ class _Builder:
             else:
                 stage.append(SpanPrompt(tuple(seg), ((0, ISOLATED),)))
         self.stages.append(stage)
+        self.links.append(links)
+        self.single.append((kinds == [ANCHORED], start, len(self.tokens)))
 
     def _ordered_messages(self, path: str, node: Node) -> list[Message]:
         if isinstance(node, MESSAGE_TYPES):

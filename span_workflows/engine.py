@@ -39,7 +39,16 @@ from span_workflows.errors import ModelNotAvailableError, SpanQueryError
 from span_workflows.ir import Generate, Node
 from span_workflows.layout import LayoutTokens, SpanOptions
 from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
-from span_workflows.plan import Output, Planner, Probe, QuerySettings, Request, drive
+from span_workflows.plan import (
+    Output,
+    Planner,
+    Probe,
+    QuerySettings,
+    Request,
+    StepCount,
+    Steps,
+    drive,
+)
 from span_workflows.render import ChatRenderer
 from span_workflows.result import Metrics, Result
 from span_workflows.streaming import AsyncTextStream, PartStream, TextStream
@@ -239,13 +248,17 @@ class Engine:
                 for q in queries
             ]
             run = functools.partial(self._run, stream=stream, cancel=cancel)
-            return drive(plans, run, self._probe)
+            return drive(plans, run, self._probe, self._steps)
 
     def _probe(self, step: Probe) -> list[bool]:
         """Which prompts have all their blocks in the prefix cache now."""
         core = self._engine.engine_core.engine_core
         return [span_vllm.span_probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
                 for p, salt in zip(step.sequences, step.salts, strict=True)]
+
+    def _steps(self, step: StepCount) -> list[Steps]:
+        """The engine steps the tagged requests waited for (the engine core is here)."""
+        return span_vllm.span_steps(step.tags)
 
     def _run(self, requests: list[Request], stream: PartStream | None = None,
              cancel: threading.Event | None = None) -> list[Output]:

@@ -2,14 +2,20 @@
 
 A plan is a generator that yields *steps* and receives their answers:
 
-* a list of :class:`Request` (run them; answer with one :class:`Output` each, in order), or
+* a list of :class:`Request` (run them; answer with one :class:`Output` each, in order),
 * a :class:`Probe` (which token sequences are all in the prefix cache now; answer with one
-  ``bool`` per sequence).
+  ``bool`` per sequence), or
+* a :class:`StepCount` (how many engine steps the requests with these step tags waited for;
+  answer with ``[to_first_token, to_end]`` or ``None`` per tag).
 
-Execution of one G: its nested G's first (concurrently when they commute), then *prepare*
-requests (``max_tokens=1``) for the prefix and every plus span the cache does not hold yet —
-batched, each computed alone so a span's cached KV never depends on its neighbours — then the
-main request, whose spans are cache hits repositioned to where they now sit.
+Execution of one G: its nested G's first (concurrently when they commute); one probe of
+everything its prompt needs from the cache; then per plus (a *stage*), the *prepare* requests
+(``max_tokens=1``) of the spans the cache lacks — batched, each computed alone so a span's
+cached KV never depends on its neighbours — and then the plus's *link* requests, batched too
+(each reads the earlier spans as cached); then the main request, whose spans are cache hits
+repositioned to where they now sit. A span the main request computes in its own context
+(``TokenizedQuery.main_computes_from``) is not prepared. A hit of cached spans in a new order
+therefore waits two engine steps (links, final), a reordered set one.
 
 Plans advance in lockstep: :func:`gather` merges several plans into one, and the drivers
 (:func:`drive` for a synchronous engine loop, :func:`drive_async` for an async engine client)
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +72,8 @@ class Request:
     cache_salt: str | None = None
     #: the other sampling options and the output constraint (the G's)
     sampling: Sampling = field(default_factory=Sampling)
+    #: the step tag the engine core counts this request's steps under
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
     def prepare(cls, prompt: SpanPrompt, cache_salt: str | None = None) -> Request:
@@ -108,6 +117,43 @@ class Probe:
             self.salts = [None] * len(self.sequences)
 
 
+@dataclass
+class StepCount:
+    """Ask how many engine steps the requests with these step tags waited for."""
+
+    tags: list[str]
+
+
+#: What a :class:`StepCount` answers per tag: ``[to_first_token, to_end]`` or ``None``.
+Steps = list[int] | None
+
+
+@dataclass
+class _StageLog:
+    """The requests of a G's own stages, for counting the engine steps it waited for."""
+
+    stages: list[list[str]] = field(default_factory=list)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        self.stages.append([r.tag for r in requests])
+
+    def tags(self) -> list[str]:
+        return [t for stage in self.stages for t in stage]
+
+    def totals(self, counts: Sequence[Steps]) -> tuple[int, int]:
+        """Steps to the final request's first token and to its end: each earlier stage
+        counts to the end of its slowest request (the next stage waits for it)."""
+        at = 0
+        per_stage: list[list[Steps]] = []
+        for stage in self.stages:
+            per_stage.append(list(counts[at:at + len(stage)]))
+            at += len(stage)
+        done = sum(max((c[1] for c in stage if c), default=0) for stage in per_stage[:-1])
+        last = [c for c in per_stage[-1] if c] if per_stage else []
+        return (done + max((c[0] for c in last), default=0),
+                done + max((c[1] for c in last), default=0))
+
+
 @dataclass(frozen=True, slots=True)
 class QuerySettings:
     """Per-query execution settings: span options, the tenant's cache salt, and how many
@@ -118,7 +164,7 @@ class QuerySettings:
     logprobs: int | None = None
 
 
-Step = list[Request] | Probe
+Step = list[Request] | Probe | StepCount
 Plan = Generator[Step, Any, Result]
 
 #: What separates the parts of a top-level join in its text.
@@ -189,9 +235,17 @@ class Planner:
             latency_s=time.perf_counter() - started,
             link_requests=sum(p.metrics.link_requests for p in parts),
             prepared_tokens=sum(p.metrics.prepared_tokens for p in parts),
+            # a plus's parts run together: the first answer waits for the fewest steps; a
+            # cross's parts one after another: its first part starts first
+            engine_steps=(min if isinstance(node, Plus) else _first)(
+                [p.metrics.engine_steps for p in parts]),
+            final_steps=(min if isinstance(node, Plus) else _first)(
+                [p.metrics.final_steps for p in parts]),
         )
         return Result(PART_SEPARATOR.join(p.text for p in parts), metrics,
-                      [t for p in parts for t in p.texts], parts=parts)
+                      [t for p in parts for t in p.texts], parts=parts,
+                      steps_to_end=(max if isinstance(node, Plus) else sum)(
+                          p.steps_to_end for p in parts))
 
     def plan_generate(self, g: Generate, span_mode: bool, *, inline: bool,
                       part: int | None = None, settings: QuerySettings | None = None) -> Plan:
@@ -227,36 +281,44 @@ class Planner:
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
         expected = _expected_hits(tq) if span_mode else 0
         prepared = relinked = prepared_tokens = 0
+        log = _StageLog()
         for attempt in range(MAX_ATTEMPTS):
-            if span_mode and tq.prepare_stages:
-                everything = tq.prepare
+            everything = [*tq.prepare, *tq.links] if span_mode else []
+            hit: set[tuple] = set()
+            if everything and not attempt:
                 cached = yield Probe(everything, [salt] * len(everything))
-                # After an eviction, prepare every span again: those already cached are
-                # then in use, and freshest in the cache, while the missing ones compute.
-                hit = {_key(p) for p, c in zip(everything, cached, strict=True)
-                       if c and not attempt}
-                # A later stage's context holds the spans of the earlier ones: run in order.
-                for stage in tq.prepare_stages:
-                    prepares = missing(stage, [_key(p) in hit for p in stage])
-                    if prepares:
-                        outs = yield [Request.prepare(p, salt) for p in prepares]
-                        prepared += len(prepares)
-                        prepared_tokens += _computed(outs)
-            if span_mode and tq.links:
-                linked = yield Probe(tq.links, [salt] * len(tq.links))
-                # Each link request reads the links before it: one at a time, in order.
-                for link, cached in zip(tq.links, linked, strict=True):
-                    if not cached or attempt:
-                        outs = yield [Request.prepare(link, salt)]
-                        relinked += 1
-                        prepared_tokens += _computed(outs)
+                hit = {_key(p) for p, c in zip(everything, cached, strict=True) if c}
+            # After an eviction, prepare every span again (``hit`` stays empty): those already
+            # cached are then in use, and freshest in the cache, while the missing ones compute.
+            # A later stage's context holds the spans of the earlier ones: stages run in order;
+            # a stage's links read its spans as cached: after its prepares.
+            for stage, links in zip(tq.prepare_stages, tq.link_stages, strict=True):
+                prepares = missing(stage, [_key(p) in hit for p in stage])
+                if prepares:
+                    requests = [Request.prepare(p, salt) for p in prepares]
+                    log.add(requests)
+                    outs = yield requests
+                    prepared += len(prepares)
+                    prepared_tokens += _computed(outs)
+                relinks = missing(links, [_key(p) in hit for p in links])
+                if relinks:
+                    requests = [Request.prepare(p, salt) for p in relinks]
+                    log.add(requests)
+                    outs = yield requests
+                    relinked += len(relinks)
+                    prepared_tokens += _computed(outs)
             last = attempt == MAX_ATTEMPTS - 1
             logprobs = g.sampling.logprobs if settings.logprobs is None else settings.logprobs
-            [out] = yield [Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
-                                   None if inline else logprobs,
-                                   0 if last else expected, tq.segments, salt, g.sampling)]
+            final = Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
+                            None if inline else logprobs, 0 if last else expected,
+                            tq.segments, salt, g.sampling)
+            log.add([final])
+            [out] = yield [final]
             if not out.short:
                 break
+        counts = yield StepCount(log.tags())
+        own_first, own_end = log.totals(counts)
+        before = max((r.steps_to_end for r in nested_results.values()), default=0)
         metrics = Metrics(
             ttft_s=out.first_token - started,
             prompt_tokens=out.prompt_tokens,
@@ -267,6 +329,8 @@ class Planner:
             final_ttft_s=out.first_token - out.submitted,
             link_requests=relinked,
             prepared_tokens=prepared_tokens,
+            engine_steps=before + own_first,
+            final_steps=own_first,
         )
         finish = out.finish_reasons[0] if out.finish_reasons else "stop"
         text, calls = out.texts[0], []
@@ -277,10 +341,15 @@ class Planner:
                 finish = "tool_calls" if calls else finish
         return Result(text, metrics, out.texts, out.token_ids[0], tq,
                       first_logprobs=out.first_logprobs, nested=nested_results,
-                      finish_reason=finish, tool_calls=calls, logprobs=out.logprobs)
+                      finish_reason=finish, tool_calls=calls, logprobs=out.logprobs,
+                      steps_to_end=before + own_end)
 
 
 MAX_ATTEMPTS = 3
+
+
+def _first(values: Sequence[int]) -> int:
+    return values[0] if values else 0
 
 
 def _computed(outputs: Sequence[Output]) -> int:
@@ -289,20 +358,31 @@ def _computed(outputs: Sequence[Output]) -> int:
 
 
 def _expected_hits(tq: TokenizedQuery) -> int:
-    """Prompt tokens that must come from the cache for every span to have been computed alone:
-    everything before the final ordered tail (0 when the prompt has no spans)."""
+    """Prompt tokens that must come from the cache for every span to have been computed in
+    its own context: everything before the final ordered tail, or before the part the main
+    request computes in its own context (0 when the prompt has no spans)."""
     if not tq.spans or not any(s.kind in ("plus", "generated") for s in tq.spans):
         return 0
-    return tq.spans[-1].offset
+    return min(tq.spans[-1].offset, tq.main_computes_from)
 
 
 def missing(prompts: Sequence[SpanPrompt], cached: Sequence[bool]) -> list[SpanPrompt]:
-    """The prompts not cached (per ``cached``), without duplicates, in order."""
+    """The prompts not cached (per ``cached``), without duplicates, in order; a prompt that
+    another one of them starts with (tokens and segments) is left out: the longer computes
+    and caches it."""
     unique: dict[tuple, SpanPrompt] = {}
     for prompt, hit in zip(prompts, cached, strict=True):
         if not hit:
             unique.setdefault(_key(prompt), prompt)
-    return list(unique.values())
+    wanted = list(unique.values())
+    return [p for p in wanted if not any(q is not p and _starts(q, p) for q in wanted)]
+
+
+def _starts(longer: SpanPrompt, prompt: SpanPrompt) -> bool:
+    """Whether ``longer`` begins with ``prompt``: its tokens, under the same segments."""
+    n = len(prompt.token_ids)
+    return (len(longer.token_ids) > n and longer.token_ids[:n] == prompt.token_ids
+            and tuple(s for s in longer.segments if s[0] < n) == tuple(prompt.segments))
 
 
 def _key(prompt: SpanPrompt) -> tuple:
@@ -319,18 +399,19 @@ def _start(plans: Sequence[Plan], results: list[Result | None]) -> dict[int, Ste
     return pending
 
 
-def _size(step: Step) -> int:
-    return len(step.sequences) if isinstance(step, Probe) else len(step)
-
-
 def _merge(pending: dict[int, Step]) -> tuple[Step, list[tuple[int, int]]]:
     """The next merged step of ``pending`` plans: all their probes if any probe, else all
-    their requests; with ``(plan index, answer count)`` in answer order."""
+    their step counts if any, else all their requests; with ``(plan index, answer count)`` in
+    answer order."""
     probes = {i: s for i, s in pending.items() if isinstance(s, Probe)}
     if probes:
         order = [(i, len(s.sequences)) for i, s in probes.items()]
         return Probe([q for s in probes.values() for q in s.sequences],
                      [salt for s in probes.values() for salt in s.salts]), order
+    counts = {i: s for i, s in pending.items() if isinstance(s, StepCount)}
+    if counts:
+        return (StepCount([t for s in counts.values() for t in s.tags]),
+                [(i, len(s.tags)) for i, s in counts.items()])
     order = [(i, len(s)) for i, s in pending.items()]  # type: ignore[arg-type]
     return [r for s in pending.values() for r in s], order  # type: ignore[union-attr]
 
@@ -359,29 +440,42 @@ def gather(plans: list[Plan]) -> Generator[Step, Any, list[Result]]:
 
 
 def drive(plans: list[Plan], run: Callable[[list[Request]], list[Output]],
-          probe: Callable[[Probe], list[bool]]) -> list[Result]:
+          probe: Callable[[Probe], list[bool]],
+          steps: Callable[[StepCount], list[Steps]] | None = None) -> list[Result]:
     """Run plans to completion with a synchronous engine: ``run`` executes a batch of
-    requests together, ``probe`` answers cache probes."""
+    requests together, ``probe`` answers cache probes, ``steps`` step counts (without it,
+    every count is unknown: 0)."""
     plan = gather(plans)
     try:
         step = next(plan)
         while True:
-            answer = probe(step) if isinstance(step, Probe) else run(step)
+            if isinstance(step, Probe):
+                answer: list[Any] = probe(step)
+            elif isinstance(step, StepCount):
+                answer = steps(step) if steps is not None else [None] * len(step.tags)
+            else:
+                answer = run(step)
             step = plan.send(answer)
     except StopIteration as stop:
         return stop.value
 
 
 async def drive_async(plans: list[Plan], run: Callable[[Request], Awaitable[Output]],
-                      probe: Callable[[Probe], Awaitable[list[bool]]]) -> list[Result]:
+                      probe: Callable[[Probe], Awaitable[list[bool]]],
+                      steps: Callable[[StepCount], Awaitable[list[Steps]]] | None = None,
+                      ) -> list[Result]:
     """Run plans to completion with an async engine: ``run`` executes one request (the
-    requests of a step run concurrently), ``probe`` answers cache probes."""
+    requests of a step run concurrently), ``probe`` answers cache probes, ``steps`` step
+    counts (without it, every count is unknown: 0)."""
     plan = gather(plans)
     try:
         step = next(plan)
         while True:
             if isinstance(step, Probe):
                 answer: list[Any] = await probe(step)
+            elif isinstance(step, StepCount):
+                answer = (await steps(step) if steps is not None
+                          else [None] * len(step.tags))
             else:
                 answer = list(await _all(run(r) for r in step))
             step = plan.send(answer)
@@ -403,6 +497,7 @@ async def _all(coros: Any) -> list[Any]:
 
 __all__ = [
     "Metrics", "Output", "Plan", "Planner", "Probe", "QuerySettings", "Request", "Result", "Step",
+    "StepCount", "Steps",
     "check_fits",
     "drive", "drive_async", "gather", "missing",
 ]

@@ -30,6 +30,13 @@ class Metrics:
     #: prompt tokens computed by this query's own prepare requests (part of
     #: ``cached_tokens`` when the final request reads them back)
     prepared_tokens: int = 0
+    #: engine steps from the query's submission to its first token, over all its requests:
+    #: per stage (nested G's to their end, prepares, links, the final request to its first
+    #: token) the most steps one of its requests waited, summed. On a GPU a step costs
+    #: milliseconds whatever it computes, so this, not FLOPs, sets a hit's TTFT there
+    engine_steps: int = 0
+    #: the part of ``engine_steps`` after the nested G's ended (prepares, links, final)
+    final_steps: int = 0
 
     @property
     def reused_tokens(self) -> int:
@@ -79,6 +86,9 @@ class Result:
     tool_calls: list[ToolCall] = field(default_factory=list)
     #: top log-probabilities of every generated token of the first sample (``logprobs=k``)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    #: engine steps from the query's submission to its last token (what a G that reads this
+    #: one's output waits for)
+    steps_to_end: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """``{"text", "metrics"}`` as the CLI prints it."""

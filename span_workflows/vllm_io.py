@@ -4,7 +4,9 @@ A plan :class:`~span_workflows.plan.Request` becomes a tokens prompt (with vLLM'
 ``cache_salt``) and :class:`vllm.SamplingParams`: the request's sampling options, stop
 sequences and output constraint (vLLM's structured outputs), and in ``extra_args`` the
 request's span segments under this process's layout key
-(:func:`span_vllm.contract.layout_args`); nothing else reaches the engine processes. While the
+(:func:`span_vllm.contract.layout_args`) and its step tag (:func:`span_vllm.contract.tag_args`,
+under which the engine core counts the steps it waits for); nothing else reaches the engine
+processes. While the
 request runs, a :class:`RequestRun` reads vLLM's cumulative ``RequestOutput`` s: it notes the
 first token, streams part texts, and says when the request must be aborted because its cache
 hits fell short (a prepared span was evicted before it was used; the plan then prepares again
@@ -55,7 +57,8 @@ def sampling_params(req: Request, layout_key: str,
         max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
         structured_outputs=(None if schema is None else
                             StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
-        extra_args=contract.layout_args(req.segments, layout_key) if req.segments else None,
+        extra_args={**contract.tag_args(req.tag),
+                    **(contract.layout_args(req.segments, layout_key) if req.segments else {})},
         **options,
     )
 

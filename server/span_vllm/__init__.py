@@ -13,11 +13,13 @@ Public API (everything else is private to the plugin):
 * :func:`span_probe` ``(engine_core, prompts, salt=None)`` — in the engine-core process,
   which prompts have all their blocks in the prefix cache;
 * :func:`span_stats` ``()`` — this process's span-cache counters;
-* :func:`routing_block_keys` ``(token_ids, block_size, segments, salt=None)`` — block keys
-  of a span prompt under the engine's chain rules, for routers outside the engine;
+* :func:`span_steps` ``(tags)`` — engine steps of the requests with these step tags
+  (:data:`contract.TAG_KEY`): ``[to_first_token, to_end]`` each;
 
   other processes ask the engine core with the utility calls of the same names, which run
-  these two functions there;
+  these three functions there;
+* :func:`routing_block_keys` ``(token_ids, block_size, segments, salt=None)`` — block keys
+  of a span prompt under the engine's chain rules, for routers outside the engine;
 * :func:`hash_blocks` ``(token_ids, block_size, hash_fn, segments=(), salt=None)`` — the
   block hashes the plugin gives a prompt under a span layout, for tools and benchmarks;
 * :class:`RopeRotator`, :class:`CpuKeyLayout`, :class:`PagedKeyLayout` — the torch-only key
@@ -38,13 +40,14 @@ from span_vllm.config import enabled
 if TYPE_CHECKING:
     from span_vllm.hashing import hash_blocks, routing_block_keys
     from span_vllm.patches import probe as span_probe
-    from span_vllm.patches import span_stats
+    from span_vllm.patches import span_stats, span_steps
     from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
 
 #: Public name -> (module, attribute), imported on first use.
 _LAZY = {
     "span_probe": ("span_vllm.patches", "probe"),
     "span_stats": ("span_vllm.patches", "span_stats"),
+    "span_steps": ("span_vllm.patches", "span_steps"),
     "hash_blocks": ("span_vllm.hashing", "hash_blocks"),
     "routing_block_keys": ("span_vllm.hashing", "routing_block_keys"),
     "RopeRotator": ("span_vllm.rotation", "RopeRotator"),
@@ -73,5 +76,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "hash_blocks", "register",
-    "routing_block_keys", "span_probe", "span_stats",
+    "routing_block_keys", "span_probe", "span_stats", "span_steps",
 ]

@@ -7,8 +7,11 @@ A span-mode request carries its *segments* next to its tokens, in
 
 ``offset`` is a token index on a KV block boundary where a segment starts; tokens before the
 first segment are the ordered prefix. A span segment may carry a third element, ``links``: its
-first ``links`` blocks are *link blocks*, recomputed after everything before them (EPIC-style):
-their hashes chain from a digest of every block before them, and the span's next block chains
+first ``links`` blocks are *link blocks*, recomputed after everything before them as cached
+(EPIC-style; earlier spans of the same plus count with their own, unlinked KV, so the link
+blocks of one plus are independent and computed in one step): their hashes chain from a digest
+of every block before them, the earlier link blocks of their plus counted by their unlinked
+hashes, and the span's next block chains
 from the hash its last link block has without linking (so the rest of the span is the span's
 cached KV, computed in its own context). ``kind`` is one of
 
@@ -56,6 +59,10 @@ Segments = tuple[Segment, ...]
 #: Engine-core utility calls the plugin adds.
 PROBE_CALL = "span_probe"
 STATS_CALL = "span_stats"
+STEPS_CALL = "span_steps"
+#: ``SamplingParams.extra_args`` key of a request's *step tag*: the engine core counts the
+#: scheduler steps such a request waits for (:data:`STEPS_CALL` reads them by tag).
+TAG_KEY = "span_tag"
 
 #: Counters the plugin keeps, with their help text (``/metrics`` exports ``span_<name>_total``).
 STAT_HELP: dict[str, str] = {
@@ -124,9 +131,14 @@ def layout_args(segments: Segments, key: str) -> dict[str, object]:
                                                   for s in segments]}}
 
 
+def tag_args(tag: str) -> dict[str, object]:
+    """The ``extra_args`` entry that asks the engine core to count a request's steps."""
+    return {TAG_KEY: tag}
+
+
 __all__ = [
     "ANCHORED", "DEFAULT_KV_CACHE_GIB", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV",
     "LAYOUT_KEY", "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP",
-    "Segment", "Segments", "VLLM_ENV_DEFAULTS", "enable", "enabled", "layout_args",
-    "layout_key",
+    "STEPS_CALL", "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "enable", "enabled",
+    "layout_args", "layout_key", "tag_args",
 ]

@@ -11,8 +11,12 @@ tokens (see :mod:`span_vllm.contract` for the segment kinds):
 * the first block of an **ordered** run chains from a digest of *every* block before it, so an
   ordered tail is never reused after different spans;
 * a span's *link blocks* (its first blocks, recomputed in the prompt's context) chain from a
-  digest of every block before them, and the block after them chains from the hash the last
-  one would have without linking: the rest of the span is the span's own cached KV;
+  digest of every block before them *as cached*: link blocks of earlier spans of the same plus
+  group count with the hash they would have without linking, because a link block is computed
+  after the group's context and the earlier spans' own KV (all link blocks of a group are
+  independent, so they are computed together in one step). The block after them chains from
+  the hash the last one would have without linking: the rest of the span is the span's own
+  cached KV;
 * any other block chains from the block before it, exactly like stock vLLM. A request without a
   (valid) layout therefore hashes exactly as stock vLLM does.
 
@@ -96,13 +100,25 @@ class BlockLayout:
             return False
         kind = self.kinds[i]
         if self.links[i]:
-            # link blocks attend to everything before, as their hash says; the rest of the
-            # span, computed here, would attend to the link blocks instead of its own context
-            return block >= self.starts[i] + self.links[i]
+            # The rest of the span, computed here, would attend to the link blocks instead
+            # of its own first blocks. Link blocks attend to everything before them: as their
+            # hash says only if no earlier span of their group is linked here (their hash
+            # names the earlier spans' unlinked KV).
+            return block >= self.starts[i] + self.links[i] or self.linked_before(i)
         if kind == ANCHORED:
             return not self.group_first[i]
         if kind == ISOLATED:
             return self.starts[i] > 0
+        return False
+
+
+    def linked_before(self, index: int) -> bool:
+        """Whether a span before segment ``index`` in its plus group has link blocks."""
+        j = index
+        while j > 0 and not self.group_first[j]:
+            j -= 1
+            if self.links[j]:
+                return True
         return False
 
 
@@ -160,6 +176,9 @@ class SpanChain:
     salt: str | None = None
     hashes: list[bytes] = field(default_factory=list)
     _digest: bytes | None = None
+    #: the digest with every link block counted by its unlinked hash (what link blocks chain
+    #: from: the prompt's KV as cached)
+    _cached_digest: bytes | None = None
     _anchor: bytes | None = None
     _next: int = 0
     #: while in link blocks: the hash chain the span would have without linking
@@ -185,13 +204,16 @@ class SpanChain:
             return kv_cache_utils.BlockHash(self.hash_fn((_ORDERED_SEED, self._digest)))
         if layout.group_first[i]:
             self._anchor = previous
+            # link blocks count earlier spans of their own group as cached, and everything
+            # before the group as it is
+            self._cached_digest = self._digest
         if kind == ANCHORED and self._anchor is not None:
             own = self._anchor
         else:
             own = kv_cache_utils.BlockHash(self.hash_fn((_ROOT_SEED, self.salt)))
         if layout.links[i]:
             self._virtual, self._links_left = own, layout.links[i]
-            return kv_cache_utils.BlockHash(self.hash_fn((_LINK_SEED, self._digest)))
+            return kv_cache_utils.BlockHash(self.hash_fn((_LINK_SEED, self._cached_digest)))
         return own
 
     def extend(self, token_ids: Sequence[int], block_size: int,
@@ -205,8 +227,9 @@ class SpanChain:
             keys = extra_keys(begin, end) if extra_keys is not None else None
             tokens = token_ids[begin:end]
             block_hash = kv_cache_utils.hash_block_tokens(self.hash_fn, parent, tokens, keys)
+            as_cached = block_hash
             if self._links_left:
-                self._virtual = kv_cache_utils.hash_block_tokens(
+                self._virtual = as_cached = kv_cache_utils.hash_block_tokens(
                     self.hash_fn, self._virtual, tokens, keys)
                 self._links_left -= 1
                 if not self._links_left:
@@ -214,6 +237,8 @@ class SpanChain:
             self.hashes.append(block_hash)
             if self.layout is not None:
                 self._digest = self.hash_fn((_DIGEST_SEED, self._digest, block_hash))
+                self._cached_digest = self.hash_fn((_DIGEST_SEED, self._cached_digest,
+                                                    as_cached))
             new.append(block_hash)
             block += 1
         return new

@@ -8,12 +8,14 @@ Each patch wraps one vLLM function by name (no fork):
 * ``BlockPool.cache_full_blocks`` → never register a plus span's blocks that were computed in
   context (they attended to other spans), so a cached span always means "computed alone";
 * ``Scheduler.schedule`` → hand the step's rotations to the workers with the step's output;
+  count engine steps for tagged requests (:mod:`steps`), noted on arrival by
+  ``EngineCore.add_request``;
 * ``GPUModelRunner._update_states`` (the CPU runner inherits it) and Model Runner V2's
   ``update_requests`` → apply the rotations after vLLM's block copies, before the forward pass
   (:mod:`rotation`); both runners' ``initialize_kv_cache`` → check the model can be rotated;
 * ``Scheduler.__init__`` / ``KVCacheManager.__init__`` → refuse unsupported models at start
   (:mod:`support`);
-* ``EngineCore`` gains the utility calls ``span_probe`` and ``span_stats``.
+* ``EngineCore`` gains the utility calls ``span_probe``, ``span_stats`` and ``span_steps``.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 from span_vllm import config as span_config
-from span_vllm.contract import PROBE_CALL, STATS_CALL
+from span_vllm.contract import PROBE_CALL, STATS_CALL, STEPS_CALL
 from span_vllm.hashing import hash_blocks, make_request_block_hasher, request_layout
 from span_vllm.positions import PositionTracker
 from span_vllm.stats import STATS
+from span_vllm.steps import CLOCK
 from span_vllm.support import engine_problems, kv_cache_problems, refuse
 
 #: (module, attribute path, parameter names the patch relies on, in order)
@@ -207,6 +210,7 @@ def _patch_scheduler(key: str) -> None:
             output = original(self, *args, **kwargs)
             tracker = getattr(self.kv_cache_manager, "_span_tracker", None)
             output.span_rotations = tracker.take_step() if tracker is not None else []
+            CLOCK.scheduled(self.requests, output.num_scheduled_tokens)
             return output
 
         return schedule
@@ -392,10 +396,28 @@ def _salt_keys(salt: str | None) -> Callable[[int, int], Any] | None:
     return lambda begin, end: (("cache_salt", salt),) if begin == 0 else None
 
 
+def span_steps(tags: list[str]) -> list[list[int] | None]:
+    """For each step tag, ``[to_first_token, to_end]``: the scheduler steps the tagged request
+    waited for from its arrival to its first token and to its last step (``None``: unknown).
+
+    Public as ``span_vllm.span_steps``; other processes ask the engine core with the
+    ``span_steps`` utility call, which runs this."""
+    return CLOCK.steps(tags)
+
+
 def _patch_engine_core() -> None:
     from vllm.v1.engine.core import EngineCore
 
+    def make_add(original: Callable) -> Callable:
+        def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            CLOCK.arrive(request)
+            return original(self, request, *args, **kwargs)
+
+        return add_request
+
+    _wrap(EngineCore, "add_request", make_add)
     if not hasattr(EngineCore, PROBE_CALL):
         setattr(EngineCore, PROBE_CALL,
                 lambda self, prompts, salt=None: probe(self, prompts, salt))
         setattr(EngineCore, STATS_CALL, lambda self: span_stats())
+        setattr(EngineCore, STEPS_CALL, lambda self, tags: span_steps(list(tags)))

@@ -35,19 +35,20 @@ them.
 
 * its *original* KV, computed with its span in the span's mode: the span's own later tokens were
   computed against it (they keep the KV they had when the span was cached);
-* its *recomputed* KV, which attends to everything before it in the token form — the prefix,
-  earlier spans' non-link tokens (with the KV of their own mode), earlier spans' recomputed link
-  tokens and its own span's earlier recomputed link tokens; every later reader outside its span
-  (later spans in prefix mode, the ordered tail, generated tokens) sees this version.
+* its *recomputed* KV, which attends to everything before it in the token form *as cached* —
+  the prefix, the earlier spans with the KV of their own mode (their link tokens included, in
+  their original version: the link requests of one plus are independent of each other) and its
+  own span's earlier recomputed link tokens; every later reader outside its span (the ordered
+  tail, generated tokens) sees this version.
 
 One forward pass computes both exactly: the ``m`` link tokens are appended to the token form a
 second time (*copies*) with the same position ids, and a 4-D additive mask routes reads:
 
 * a token-form row ``i`` reads the token-form columns its mode allows, except that a read of a
   link token of *another* span is redirected from the original column to that token's copy;
-* a copy row (link token at position ``p``) reads every non-link token-form column before
-  ``p`` and every copy whose position is ``<= p`` (itself included), never an original link
-  column.
+* a copy row (link token at position ``p``) reads every token-form column before ``p``
+  except its own span's link tokens, and its own span's copies whose position is ``<= p``
+  (itself included).
 
 The prompt's first-token logits are those of its last token-form row (index ``n - 1``), not of
 the last row of the extended sequence. Logits are computed for every row, as a plain forward
@@ -211,8 +212,11 @@ def build_plan(spans: Sequence[Span], attention: Attention, link_tokens: int = 0
     allowed[:n, :n] = base & ~redirected
     allowed[:n, n:] = redirected[:, links]
     idx = torch.arange(n)
-    allowed[n:, :n] = (idx[None, :] < links[:, None]) & ~is_link[None, :]
-    allowed[n:, n:] = links[None, :] <= links[:, None]
+    copy_span = span_id[links]
+    own_link = is_link[None, :] & (span_id[None, :] == copy_span[:, None])
+    allowed[n:, :n] = (idx[None, :] < links[:, None]) & ~own_link
+    allowed[n:, n:] = (links[None, :] <= links[:, None]) & (copy_span[None, :]
+                                                            == copy_span[:, None])
     visible = torch.ones(n + m, dtype=torch.bool)
     visible[links] = False
     return AttentionPlan(n, tuple(links.tolist()), torch.cat([idx, links]), allowed, visible)
@@ -322,10 +326,13 @@ class AttentionReference:
         kv = _SplicedCache(self.model, len(tq.token_ids))
         firsts = plus_groups(tq.spans)
         logits = torch.empty(0)
+        pending: list[tuple[list[int], list[int]]] = []  # link tokens of the current plus
         for i, span in enumerate(tq.spans):
             final = list(range(span.offset, span.offset + span.length))
             ids = tq.token_ids[span.offset: span.offset + span.length]
             if firsts[i] < 0:  # ordered: after everything before it, where it sits
+                kv.splice(pending)
+                pending = []
                 logits = kv.compute(ids, final, list(range(span.offset)), final)
                 continue
             start = tq.spans[firsts[i]].offset if span.kind == "plus" else 0
@@ -334,7 +341,9 @@ class AttentionReference:
                        rotate_by=span.offset - start)
             link = final[:link_tokens]
             if link:
-                kv.compute(ids[: len(link)], link, list(range(span.offset)), link)
+                # after the context and the earlier spans as cached; spliced in at the end of
+                # the plus, so no later link of the plus reads it
+                pending.append((ids[: len(link)], link))
         first = torch.log_softmax(logits.double(), dim=-1)
         tokens: list[int] = []
         chosen: list[float] = []
@@ -385,6 +394,21 @@ class _SplicedCache:
         """Run ``token_ids`` at RoPE ``positions`` causally after the cached KV at ``context``;
         store their KV at ``store_at`` (keys rotated by ``rotate_by`` positions); return the
         last token's logits."""
+        logits, keys, values = self._forward(token_ids, positions, context, rotate_by)
+        self._store(store_at, keys, values)
+        return logits
+
+    def splice(self, links: list[tuple[list[int], list[int]]]) -> None:
+        """Recompute link tokens (``(token_ids, positions)`` each, at their positions after
+        everything before them as it is now), then store them all: none reads another."""
+        computed = [(positions, *self._forward(ids, positions, list(range(positions[0])))[1:])
+                    for ids, positions in links]
+        for positions, keys, values in computed:
+            self._store(positions, keys, values)
+
+    def _forward(self, token_ids: Sequence[int], positions: list[int], context: list[int],
+                 rotate_by: int = 0) -> tuple[torch.Tensor, list[torch.Tensor],
+                                              list[torch.Tensor]]:
         from transformers import DynamicCache
 
         past = None
@@ -396,14 +420,19 @@ class _SplicedCache:
                          position_ids=torch.tensor([positions]), past_key_values=past,
                          use_cache=True)
         q = len(positions)
+        keys, values = [], []
+        for cached in out.past_key_values.layers:
+            k = cached.keys[:, :, -q:]
+            keys.append(self._rotate(k, rotate_by) if rotate_by else k)
+            values.append(cached.values[:, :, -q:])
+        return out.logits[0, -1], keys, values
+
+    def _store(self, store_at: list[int], keys: list[torch.Tensor],
+               values: list[torch.Tensor]) -> None:
         where = torch.tensor(store_at)
-        for layer, cached in enumerate(out.past_key_values.layers):
-            keys = cached.keys[:, :, -q:]
-            if rotate_by:
-                keys = self._rotate(keys, rotate_by)
-            self.keys[layer][:, :, where] = keys
-            self.values[layer][:, :, where] = cached.values[:, :, -q:]
-        return out.logits[0, -1]
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.keys[layer][:, :, where] = k
+            self.values[layer][:, :, where] = v
 
     def _rotate(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Keys moved by ``delta`` positions with the model's own rotary embedding (angles

@@ -2,8 +2,9 @@
 
 The engine core runs in another process: cache probes and the span counters reach it as the
 plugin's engine-core utility calls (:data:`span_vllm.contract.PROBE_CALL`,
-:data:`~span_vllm.contract.STATS_CALL`); requests go through ``AsyncLLM.generate`` with their
-segments in ``SamplingParams.extra_args`` (:mod:`span_workflows.vllm_io`).
+:data:`~span_vllm.contract.STATS_CALL`, :data:`~span_vllm.contract.STEPS_CALL`); requests go
+through ``AsyncLLM.generate`` with their segments in ``SamplingParams.extra_args``
+(:mod:`span_workflows.vllm_io`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from span_vllm import contract
 from span_workflows.compile import Compiler
 from span_workflows.ir import Node
 from span_workflows.layout import SpanOptions
-from span_workflows.plan import Output, Planner, Probe, QuerySettings, Request, drive_async
+from span_workflows.plan import (
+    Output,
+    Planner,
+    Probe,
+    QuerySettings,
+    Request,
+    StepCount,
+    Steps,
+    drive_async,
+)
 from span_workflows.result import Result
 from span_workflows.streaming import PartStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
@@ -48,16 +58,27 @@ class SpanQueryService:
         async def run(req: Request) -> Output:
             return await self._run(req, stream, sampling)
 
-        [result] = await drive_async([plan], run, self._probe)
+        [result] = await drive_async([plan], run, self._probe, self._steps)
         return result
 
     async def _probe(self, step: Probe) -> list[bool]:
-        answers = []
-        for prompt, salt in zip(step.sequences, step.salts, strict=True):
-            [hit] = await self.engine.engine_core.call_utility_async(
-                contract.PROBE_CALL, [[list(prompt.token_ids), list(prompt.segments)]], salt)
-            answers.append(bool(hit))
+        """One utility call per cache salt (usually one for the whole probe)."""
+        by_salt: dict[str | None, list[int]] = {}
+        for i, salt in enumerate(step.salts):
+            by_salt.setdefault(salt, []).append(i)
+        answers = [False] * len(step.sequences)
+        for salt, indices in by_salt.items():
+            prompts = [[list(step.sequences[i].token_ids), list(step.sequences[i].segments)]
+                       for i in indices]
+            hits = await self.engine.engine_core.call_utility_async(
+                contract.PROBE_CALL, prompts, salt)
+            for i, hit in zip(indices, hits, strict=True):
+                answers[i] = bool(hit)
         return answers
+
+    async def _steps(self, step: StepCount) -> list[Steps]:
+        return list(await self.engine.engine_core.call_utility_async(
+            contract.STEPS_CALL, step.tags))
 
     async def _run(self, req: Request, stream: PartStream | None,
                    sampling: Mapping[str, Any] | None = None) -> Output:

@@ -121,8 +121,10 @@ def test_link_plan_routes_reads_between_originals_and_copies() -> None:
     # a span's own later token reads its originals; a sibling never reads it
     assert reads(6) == [0, 1, 2, 3, 4, 5, 6]
     assert reads(9) == [0, 1, 2, 3, 7, 8, 9]
-    # a copy reads earlier non-link tokens and copies up to itself, never an original link
-    assert reads(copy[8]) == [0, 1, 2, 3, 6, copy[4], copy[5], copy[7], copy[8]]
+    # a copy reads everything before it as cached (an earlier span's link tokens in their
+    # original version) and its own span's copies up to itself
+    assert reads(copy[8]) == [0, 1, 2, 3, 4, 5, 6, copy[7], copy[8]]
+    assert reads(copy[4]) == [0, 1, 2, 3, copy[4]]
     # later readers outside the span read copies: the tail, and the next group in prefix mode
     assert reads(10) == [0, 1, 2, 3, 6, 9, 10, *(copy[p] for p in (4, 5, 7, 8))]
     assert reads(15) == [0, 1, 2, 3, 6, 9, 10, 11, 14, 15, *(copy[p] for p in (4, 5, 7, 8))]
@@ -211,9 +213,10 @@ def _staged(ref: AttentionReference, tq: TokenizedQuery, attention: str, link_to
             steps: int) -> tuple[torch.Tensor, list[int], list[float]]:
     """The span semantics built the way a span cache builds them: every span's KV computed
     in its own context by separate forwards, the first ``link_tokens`` tokens of each span
-    recomputed after everything before them, the KV spliced into one cache, then the tail and
-    greedy decoding with plain causal attention over that cache. Returns the first token's
-    log-probs, the greedy tokens and each one's log-prob."""
+    recomputed after everything before them as cached (once the whole plus is), the KV
+    spliced into one cache, then the tail and greedy decoding with plain causal attention over
+    that cache. Returns the first token's log-probs, the greedy tokens and each one's
+    log-prob."""
     model, n = ref.model, len(tq.token_ids)
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -228,10 +231,16 @@ def _staged(ref: AttentionReference, tq: TokenizedQuery, attention: str, link_to
 
     logits = torch.empty(0)
     group_start = 0
+    links: list[list[int]] = []
     with torch.no_grad():
         for i, span in enumerate(tq.spans):
             positions = list(range(span.offset, span.offset + span.length))
             if span.kind in ("prefix", "cross"):
+                computed = [(link, _forward(model, tq.token_ids, link, keys, values,
+                                            list(range(link[0])))) for link in links]
+                for link, (k, v, _) in computed:
+                    store(link, (k, v))
+                links = []
                 k, v, logits = _forward(model, tq.token_ids, positions, keys, values,
                                         list(range(span.offset)))
                 store(positions, (k, v))
@@ -242,11 +251,8 @@ def _staged(ref: AttentionReference, tq: TokenizedQuery, attention: str, link_to
             k, v, _ = _forward(model, tq.token_ids, positions, keys, values,
                                list(range(group_start)) if anchored else [])
             store(positions, (k, v))
-            link = positions[:link_tokens]
-            if link:
-                k, v, _ = _forward(model, tq.token_ids, link, keys, values,
-                                   list(range(span.offset)))
-                store(link, (k, v))
+            if positions[:link_tokens]:
+                links.append(positions[:link_tokens])
         logprobs = first = torch.log_softmax(logits.double(), -1)
         tokens: list[int] = []
         chosen: list[float] = []
@@ -276,17 +282,30 @@ def test_one_pass_equals_kv_assembled_stage_by_stage(ref: AttentionReference, ru
     assert out.token_logprobs == pytest.approx(chosen, abs=1e-4)
 
 
-@pytest.mark.parametrize("attention", ["prefix", "prefix-final", "self"])
-def test_linking_every_span_token_gives_full_attention(run: Run, tq3: TokenizedQuery,
-                                                       attention: str) -> None:
-    longest = max(s.length for s in tq3.spans if s.kind == "plus")
-    linked, full = run(attention, longest), run("full")
+@pytest.mark.parametrize("attention", ["prefix", "prefix-final"])
+def test_linking_every_token_of_two_prefix_spans_gives_full_attention(
+        ref: AttentionReference, compiler: Compiler, attention: str) -> None:
+    """The second span's link tokens read the first span as cached, which in prefix mode is
+    what full attention computes for it; the first span already follows its context."""
+    tq = _query(compiler, DOCS[:2])
+    longest = max(s.length for s in tq.spans if s.kind == "plus")
+    linked = ref.generate(tq, attention, max_tokens=GREEDY_TOKENS, link_tokens=longest)
+    full = ref.generate(tq, "full", max_tokens=GREEDY_TOKENS)
     if attention != "prefix":  # built stage by stage, no plan
         assert linked.plan is not None
-        assert len(linked.plan.link_positions) == tq3.num_span_tokens
+        assert len(linked.plan.link_positions) == tq.num_span_tokens
     assert _max_diff(linked.first_logprobs, full.first_logprobs) < 1e-4
     assert linked.token_ids == full.token_ids
     assert linked.token_logprobs == pytest.approx(full.token_logprobs, abs=1e-4)
+
+
+def test_linking_every_token_of_three_spans_reads_earlier_spans_as_cached(
+        run: Run, tq3: TokenizedQuery) -> None:
+    """With three spans the third one's link tokens read the second as cached (computed
+    without the first), so even linking every token is not full attention."""
+    longest = max(s.length for s in tq3.spans if s.kind == "plus")
+    linked, full = run("prefix-final", longest), run("full")
+    assert _max_diff(linked.first_logprobs, full.first_logprobs) > 1e-3
 
 
 def test_a_single_plus_span_in_prefix_mode_is_full_attention(ref: AttentionReference,

@@ -213,3 +213,72 @@ def test_link_blocks_chain_over_the_context_and_the_span_resumes_its_own_chain()
     assert other[2] != linked[2] and other[3] == linked[3]  # link depends on what precedes
     layout = BlockLayout.from_segments(link_s, BS)
     assert not layout.computed_in_context(2) and layout.computed_in_context(3)
+
+
+def _linked(segments: list, links: dict[int, int]) -> list:
+    """``segments`` with ``links[i]`` link blocks on segment ``i``."""
+    return [(*s[:2], links[i]) if links.get(i) else s[:2] for i, s in enumerate(segments)]
+
+
+TWO_A, TWO_B, TWO_C = ([k] * 8 for k in (11, 21, 31))
+
+
+def test_the_link_blocks_of_one_plus_hash_as_their_own_link_requests_compute_them() -> None:
+    """A link request (the prompt up to the end of one span's link blocks, the earlier spans
+    of the plus unlinked) computes the link block the main request reads: their hashes are
+    equal, whichever earlier spans the main request links. So all link requests of a plus are
+    independent and run in one step."""
+    tokens, segments = _rag(TWO_A, TWO_B, TWO_C)
+    main = hash_blocks(tokens, BS, _hash_fn, _linked(segments, {1: 1, 2: 1}))
+    b_start, c_start = segments[1][0] // BS, segments[2][0] // BS
+    for index, start in ((1, b_start), (2, c_start)):
+        request_tokens = tokens[: (start + 1) * BS]
+        request_segments = _linked(segments[: index + 1], {index: 1})
+        link_request = hash_blocks(request_tokens, BS, _hash_fn, request_segments)
+        assert link_request[-1] == main[start]  # what the main request reads
+        assert link_request[:-1] == hash_blocks(request_tokens[:-BS], BS, _hash_fn,
+                                                segments[:index])  # the rest: as cached
+    only_c = hash_blocks(tokens, BS, _hash_fn, _linked(segments, {2: 1}))
+    assert only_c[c_start] == main[c_start]
+    # the rest of each span is the span's own cached block; the tail follows the links
+    plain = hash_blocks(tokens, BS, _hash_fn, segments)
+    assert main[b_start + 1] == plain[b_start + 1] and main[c_start + 1] == plain[c_start + 1]
+    assert main[-1] != plain[-1]
+
+
+def test_a_link_block_depends_on_the_earlier_spans_and_their_order() -> None:
+    tokens, segments = _rag(TWO_A, TWO_B, TWO_C)
+    swapped, swapped_segments = _rag(TWO_B, TWO_A, TWO_C)
+    c_start = segments[2][0] // BS
+    links = {1: 1, 2: 1}
+    assert (hash_blocks(tokens, BS, _hash_fn, _linked(segments, links))[c_start]
+            != hash_blocks(swapped, BS, _hash_fn, _linked(swapped_segments, links))[c_start])
+
+
+def test_a_later_plus_reads_the_earlier_plus_as_linked() -> None:
+    """Across pluses a link block chains over everything before its plus as it is (the
+    earlier plus linked or not), so a query that links the first plus never shares the second
+    plus's link blocks with one that does not."""
+    tokens, first = _rag(TWO_A, TWO_B)
+    second_start = len(tokens)
+    tokens = tokens + TWO_C + TWO_A + TAIL
+    segments = [*first, (second_start, ANCHORED), (second_start + 8, ANCHORED),
+                (second_start + 16, ORDERED)]
+    link_second = {4: 1}
+    a_second = (second_start + 8) // BS
+    linked_first = hash_blocks(tokens, BS, _hash_fn, _linked(segments, {1: 1, **link_second}))
+    plain_first = hash_blocks(tokens, BS, _hash_fn, _linked(segments, link_second))
+    assert linked_first[a_second] != plain_first[a_second]
+
+
+def test_link_blocks_computed_after_linked_siblings_are_kept_out_of_the_cache() -> None:
+    """In the main request an earlier span's first block holds its *linked* KV; a link block
+    computed there would have attended to it, not to what its hash names."""
+    tokens, segments = _rag(TWO_A, TWO_B, TWO_C)
+    b_start, c_start = segments[1][0] // BS, segments[2][0] // BS
+    main = BlockLayout.from_segments(_linked(segments, {1: 1, 2: 1}), BS)
+    assert not main.computed_in_context(b_start)  # the first linked span: as its hash says
+    assert main.computed_in_context(c_start)  # after a linked sibling
+    assert main.computed_in_context(c_start + 1)  # the rest of a span after its link block
+    own_request = BlockLayout.from_segments(_linked(segments[:3], {2: 1}), BS)
+    assert not own_request.computed_in_context(c_start)

@@ -80,6 +80,45 @@ def test_a_second_plus_is_prepared_after_the_first_in_its_context(compiler) -> N
     assert second.segments == (*tq.segments[:3], (start, ANCHORED))
 
 
+def test_link_requests_read_the_earlier_spans_of_their_plus_unlinked(compiler) -> None:
+    docs = ["one " * 40, "two " * 40, "three " * 40]
+    tq = compiler.compile_generate(optimize(rag("sys", docs, "q?")))
+    assert [len(stage) for stage in tq.link_stages] == [2]  # the first span follows its context
+    for link in tq.links:
+        *earlier, own = link.segments
+        assert len(own) == 3 and own[2] == 1  # its own link block
+        assert all(len(s) == 2 for s in earlier)  # earlier spans as cached: unlinked
+        assert len(link.token_ids) == own[0] + BS
+        assert link.token_ids == tuple(tq.token_ids[: len(link.token_ids)])
+
+
+def test_a_later_plus_links_after_the_earlier_plus_as_linked(compiler) -> None:
+    from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+
+    long = ["a " * 40, "b " * 40]
+    q = Generate(Cross((System("s"), Plus(tuple(map(Fragment, long))), User("u1"),
+                        Plus((Fragment("c " * 40), Fragment("d " * 40))), User("u2"))), 8, 0.0)
+    tq = compiler.compile_generate(q)
+    assert [len(stage) for stage in tq.link_stages] == [1, 1]
+    second = tq.link_stages[1][0]
+    assert second.segments[:3] == tq.segments[:3]  # the first plus with its link block
+    assert len(second.segments[-1]) == 3 and len(second.segments[-2]) == 2
+
+
+def test_the_only_span_of_the_last_plus_is_computed_by_the_main_request(compiler) -> None:
+    """A plus of one span in prefix mode, followed only by ordered text, is computed by the
+    main request exactly in its own context: it needs no prepare, and neither does the
+    prefix before it."""
+    one = compiler.compile_generate(optimize(rag("sys", ["one doc"], "q?")))
+    assert one.main_computes_from == 0 and one.prepare == [] and one.links == []
+    two = compiler.compile_generate(optimize(rag("sys", ["one doc", "two"], "q?")))
+    assert two.main_computes_from == two.spans[-1].offset and len(two.prepare) == 3
+    isolated = compiler.compile_generate(optimize(rag("sys", ["one doc"], "q?")),
+                                         options=SpanOptions(attend="self"))
+    assert isolated.main_computes_from == isolated.spans[-1].offset  # not at position 0
+    assert len(isolated.prepare) == 2
+
+
 @pytest.mark.parametrize("pad", ["after", "inside", "before"])
 @pytest.mark.parametrize("marker", [False, True])
 def test_layouts_keep_every_text_and_differ_only_in_padding(tokenizer, compiler, pad,

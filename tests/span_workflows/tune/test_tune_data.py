@@ -1,0 +1,68 @@
+"""The training data is its own: disjoint from the benchmark's held-out question set in entity
+kinds, names, templates, phrasings and system prompts, and shaped as the README says."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from span_workflows.apps import bench_quality, qa_set
+from span_workflows.tune import data
+
+
+def test_documents_questions_and_answers_have_the_promised_shapes(tokenizer) -> None:
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    examples = data.make_examples(120, seed=3, count_tokens=count)
+    assert examples == data.make_examples(120, seed=3, count_tokens=count)
+    sizes = [count(d) for e in examples for d in e.documents]
+    assert 56 <= min(sizes) and max(sizes) <= 560  # 64-512 tokens, to a sentence
+    assert min(sizes) < 120 and max(sizes) > 380  # short and long both occur
+    per_prompt = [len(e.documents) for e in examples]
+    assert min(per_prompt) == 2 and max(per_prompt) >= 8 and max(per_prompt) <= 10
+    needs = [e.needs for e in examples]
+    assert needs.count(0) >= 5 and needs.count(2) >= 5 and needs.count(1) > 80
+    for e in examples:
+        if e.needs == 0:
+            assert e.answer == data.NOT_FOUND
+        else:  # every name in the answer is in the documents
+            for name in set(re.findall(r"[A-Z][a-z]+", e.answer)) - {"The", "Near", "In"}:
+                assert any(name in d for d in e.documents), (name, e)
+
+
+def test_nothing_of_the_benchmark_question_set_appears_in_the_training_data() -> None:
+    examples = data.make_examples(300, seed=0)
+    train_text = " ".join(" ".join((e.system, *e.documents, e.question, e.answer))
+                          for e in examples)
+    held_out = qa_set.make_questions(240, 4, seed=0)
+    entities = qa_set.make_entities(240, seed=0)
+    assert not set(data._KINDS) & set(qa_set._KINDS)
+    for entity in entities:
+        for name in (entity.name, entity.person.split()[1], entity.town):
+            assert name not in train_text
+    # benchmark names cannot be produced by the training syllables and vice versa
+    train_names = {f.name.lower() for f in data.make_facts(2000, random.Random(1))}
+    bench_names = {e.name.lower() for e in qa_set.make_entities(2000, seed=1)}
+    assert not train_names & bench_names
+    assert not set(data._FIRST_NAMES) & set(qa_set._FIRST_NAMES)
+    assert bench_quality.SYSTEM not in data.SYSTEM_PROMPTS
+    # no question is phrased the same (entity titles abstracted); the benchmark's always end
+    # in an instruction ("Answer with the full name.") the training data never uses
+    titles = re.compile(r"the [A-Z][a-z]+( [A-Z][a-z]+)?")
+    bench_questions = {titles.sub("T", q.question) for q in held_out}
+    train_questions = {titles.sub("T", e.question) for e in examples}
+    assert not bench_questions & train_questions
+    assert "Answer with" not in train_text
+    for sentence in qa_set._FILLER:
+        assert sentence.split("{")[0] not in train_text or len(sentence.split("{")[0]) < 12
+
+
+def test_plain_passages_are_prose_and_never_standard_library_documentation() -> None:
+    passages = data.plain_passages(20)
+    assert len(passages) == 20
+    assert all(100 <= len(p.split()) <= 160 for p in passages)
+    from span_workflows.apps.corpus import stdlib_passages
+
+    stdlib = {p.text[:60] for p in stdlib_passages(["json", "pathlib"])}
+    assert not any(p[:60] in stdlib for p in passages)
