@@ -347,7 +347,7 @@ class _Builder:
             # Link blocks: a span that does not already follow its context directly.
             link = 0
             if not isinstance(child, Generate) and (kind == ISOLATED or i > 0):
-                link = min(self.options.link_blocks, len(seg) // self.c.block_size)
+                link = self.options.links_of(len(seg) // self.c.block_size)
             if link:
                 links.append((len(self.segments), link))
                 self.segments.append((offset, kind, link))

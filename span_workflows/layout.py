@@ -13,10 +13,11 @@ a choice with a price in answer quality (``benchmarks/results/quality.md``):
   own, which costs accuracy on small models.
 
 ``link_blocks=k`` (default 1) recomputes the first ``k`` KV blocks of every span in the
-prompt's context (EPIC's link tokens, at block granularity): small *link* requests, one per
-span and in order, compute them after everything before them, so no span's first tokens carry
-KV blind to the spans before it; the rest of each span is still its cached KV. In ``prefix``
-mode the first span of a plus already follows its context and is not linked.
+prompt's context (EPIC's link tokens, at block granularity; ``-1``: every block of a span but
+its last): small *link* requests, one per span, compute them after the plus's context and the
+earlier spans as cached, all in one engine step, so no span's first tokens carry KV blind to
+the spans before it; the rest of each span is still its cached KV. In ``prefix`` mode the first
+span of a plus already follows its context and is not linked.
 
 Layout knobs, measured in the quality benchmark: where the padding goes (``pad``: after the
 span's message, inside it before the end-of-message tokens, or before the message), which text
@@ -66,8 +67,16 @@ class SpanOptions:
         if not isinstance(self.marker, bool):
             raise SpanQueryError("span_options.marker", "must be true or false")
         if (not isinstance(self.link_blocks, int) or isinstance(self.link_blocks, bool)
-                or not 0 <= self.link_blocks <= 64):
-            raise SpanQueryError("span_options.link_blocks", "must be an integer from 0 to 64")
+                or not -1 <= self.link_blocks <= 64):
+            raise SpanQueryError("span_options.link_blocks",
+                                 "must be an integer from 0 to 64, or -1 (every block of a "
+                                 "span but its last)")
+
+    def links_of(self, span_blocks: int) -> int:
+        """How many of a linked span's ``span_blocks`` blocks are link blocks."""
+        if self.link_blocks < 0:
+            return max(span_blocks - 1, 0)
+        return min(self.link_blocks, span_blocks)
 
     @classmethod
     def coerce(cls, value: SpanOptions | str | dict[str, Any] | None,

@@ -55,6 +55,14 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                         help="quality: question-set seed (default: 0)")
     parser.add_argument("--answers", type=Path,
                         help="quality: keep answers here and resume from them")
+    parser.add_argument("--sizes", type=_names, default=None,
+                        help="quality: document sizes, short (65-85 tokens) and/or long "
+                             "(256-512) (default: short,long)")
+    parser.add_argument("--no-ttft", action="store_true",
+                        help="quality: answers only, no span-hit TTFT columns")
+    parser.add_argument("--merge-json", type=Path, default=None,
+                        help="quality: keep the rows of other models from this JSON file "
+                             "(the same path as --json to grow one table)")
     return parser
 
 

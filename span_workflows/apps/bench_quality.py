@@ -2,19 +2,26 @@
 
 One run, one engine, one model, the same questions: invented-fact RAG questions
 (:mod:`span_workflows.apps.qa_set`), each over ``n_docs`` documents in random order of which
-exactly one holds the answer, answered greedily. For each *variant* and document count a row:
+exactly one holds the answer, answered greedily, at two document sizes (``short``: one
+paragraph, 65–85 tokens; ``long``: 256–512 tokens, what a RAG chunker returns). For each
+*variant*, document size and document count a row:
 
 * ``accuracy`` — normalized exact match of the answer in the first 40 generated tokens, with
   its 95 % Wilson interval (``ci_low``, ``ci_high``) and per fact kind (``acc_who`` …);
+  ``delta_vs_stock`` — accuracy minus stock's on the same questions, with its paired 95 %
+  interval (``delta_low``, ``delta_high``);
 * ``kl_first_token`` — mean KL divergence of the first generated token's distribution from
   stock's (top-20 log-probabilities; tokens missing from a top-20 get its smallest value);
   ``kl_vs_layout`` — the same against full attention over the variant's own token layout;
-* ``ttft_hit_s`` / ``speedup_hit`` — TTFT of a span-cache hit at 16 documents × 440 tokens
-  (documents reordered since they were cached) and stock's TTFT on the same prompt over it.
+* ``ttft_hit_s`` / ``speedup_hit`` / ``steps_hit`` — TTFT and engine steps of a span-cache hit
+  at 16 documents × 440 tokens of a *new combination* of cached documents (each cached by an
+  earlier query, never this set: what a retriever asks), and stock's TTFT on the same prompt
+  over it; ``…_own`` the same at 16 documents of the row's size.
 
 Variants: ``stock`` (the plain chat prompt, vLLM's prefix caching), the span modes of
-:class:`~span_workflows.layout.SpanOptions` (what spans attend to × where the padding goes ×
-marker), and ``full@<layout>`` — the span layout's tokens with ordinary full attention, which
+:class:`~span_workflows.layout.SpanOptions` (what spans attend to × link blocks × where the
+padding goes × marker) — the ``prefix/link…`` family is the *link frontier*, accuracy against
+speed — and ``full@<layout>``: the span layout's tokens with ordinary full attention, which
 separates what the layout costs from what isolation costs.
 """
 
@@ -29,7 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.qa_set import QUESTION_KINDS, Question, is_correct, make_questions
+from span_workflows.apps.qa_set import (
+    DOC_SIZES,
+    QUESTION_KINDS,
+    Question,
+    is_correct,
+    make_questions,
+)
 from span_workflows.apps.report import wilson
 from span_workflows.builders import rag
 from span_workflows.layout import SpanOptions
@@ -70,6 +83,8 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     _span("prefix"),
     _span("prefix/link", link_blocks=1),
     _span("prefix/link2", link_blocks=2),
+    _span("prefix/link4", link_blocks=4),
+    _span("prefix/link-all", link_blocks=-1),
     _span("prefix/pad-inside", pad="inside"),
     _span("prefix/pad-before", pad="before"),
     _span("prefix/marker", marker=True),
@@ -134,25 +149,41 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
                     [q.fact for q in questions], first)
 
 
-def hit_ttft(engine: Any, options: SpanOptions | None, docs: Sequence[str], question: str,
-             reps: int = 3) -> float:
-    """Median TTFT of ``question`` over ``docs`` when its spans are cached (documents
-    reordered since they were prepared); with ``options=None``, stock's TTFT on a fresh
-    cache."""
-    times = []
-    rng = random.Random(1)
-    for _ in range(reps):
+def new_combinations(pool: Sequence[str], k: int, count: int, seed: int = 1
+                     ) -> tuple[list[list[str]], list[list[str]]]:
+    """``pool`` cut into the sets of ``k`` documents that cache it, and ``count`` new
+    combinations of ``k`` of its documents, each set never asked before."""
+    seen = [list(pool[i:i + k]) for i in range(0, len(pool) - k + 1, k)]
+    known = {frozenset(s) for s in seen}
+    rng = random.Random(seed)
+    fresh: list[list[str]] = []
+    while len(fresh) < count:
+        pick = rng.sample(list(pool), k)
+        if frozenset(pick) not in known:
+            known.add(frozenset(pick))
+            fresh.append(pick)
+    return seen, fresh
+
+
+def hit_ttft(engine: Any, options: SpanOptions | None, pool: Sequence[str], k: int,
+             question: str, reps: int = 3) -> tuple[float, int]:
+    """Median TTFT and engine steps of ``question`` over a new combination of ``k``
+    documents of ``pool``, all cached by earlier queries (``pool`` asked ``k`` at a time);
+    with ``options=None``, stock's on a fresh cache."""
+    times, steps = [], []
+    seen, fresh = new_combinations(pool, k, reps)
+    for combination in fresh:
         engine.reset_cache()
-        shuffled = list(docs)
-        rng.shuffle(shuffled)
         if options is None:
-            times.append(engine.stock(rag(SYSTEM, shuffled, question, max_tokens=1))
-                         .metrics.ttft_s)
-            continue
-        engine.execute(rag(SYSTEM, docs, question, max_tokens=1), span_options=options)
-        times.append(engine.execute(rag(SYSTEM, shuffled, question, max_tokens=1),
-                                    span_options=options).metrics.ttft_s)
-    return statistics.median(times)
+            m = engine.stock(rag(SYSTEM, combination, question, max_tokens=1)).metrics
+        else:
+            for docs in seen:
+                engine.execute(rag(SYSTEM, docs, question, max_tokens=1), span_options=options)
+            m = engine.execute(rag(SYSTEM, combination, question, max_tokens=1),
+                               span_options=options).metrics
+        times.append(m.ttft_s)
+        steps.append(m.engine_steps)
+    return statistics.median(times), int(statistics.median(steps))
 
 
 class AnswerStore:
@@ -173,9 +204,15 @@ class AnswerStore:
                                      ) from None
 
     @staticmethod
-    def key(variant: str, n_docs: int, count: int, seed: int, model: str) -> str:
-        """The entry name of one run."""
-        return f"{variant}|docs={n_docs}|questions={count}|seed={seed}|model={model}"
+    def key(variant: str, n_docs: int, count: int, seed: int, model: str,
+            size: str = "short") -> str:
+        """The entry name of one run (a linked variant's names its link semantics: links
+        that read the earlier spans as cached, ``batched``)."""
+        key = f"{variant}|docs={n_docs}|questions={count}|seed={seed}|model={model}"
+        options = VARIANTS[variant].options if variant in VARIANTS else None
+        if options is not None and options.link_blocks and not VARIANTS[variant].layout_only:
+            key += "|links=batched"
+        return key if size == "short" else f"{key}|size={size}"
 
     def get(self, key: str) -> _Answers | None:
         """The stored answers of ``key``, if any."""
@@ -197,64 +234,100 @@ class AnswerStore:
 
 def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequence[int],
                   count: int, *, seed: int = 0, ttft_docs: int = 16, ttft_doc_tokens: int = 440,
-                  reps: int = 3, progress: bool = True,
-                  store: AnswerStore | None = None) -> list[dict[str, Any]]:
-    """One row per (variant, document count); see the module docstring. ``stock`` is always
-    run (the reference of ``kl_first_token`` and ``speedup_hit``), and so is the ``full@``
-    variant of each span variant's layout (the reference of ``kl_vs_layout``) when
-    ``variant_names`` lists it. Answers found in ``store`` are not computed again;
-    ``ttft_docs=0`` skips the TTFT columns (``None``)."""
+                  reps: int = 3, progress: bool = True, store: AnswerStore | None = None,
+                  sizes: Sequence[str] = ("short",)) -> list[dict[str, Any]]:
+    """One row per (document size, document count, variant); see the module docstring.
+    ``stock`` is always run (the reference of ``kl_first_token``, ``delta_vs_stock`` and
+    ``speedup_hit``), and so is the ``full@`` variant of each span variant's layout (the
+    reference of ``kl_vs_layout``) when ``variant_names`` lists it. Answers found in ``store``
+    are not computed again; ``ttft_docs=0`` skips the TTFT columns (``None``)."""
     from tqdm.auto import tqdm
 
     from span_workflows.apps.corpus import documents
 
+    for size in sizes:
+        if size not in DOC_SIZES:
+            from span_workflows.errors import SpanQueryError
+
+            raise SpanQueryError("--sizes", f"unknown size {size!r} (known: "
+                                            f"{', '.join(DOC_SIZES)})")
     store = store or AnswerStore(None)
     model = Path(str(getattr(engine, "model_dir", "model"))).name
     names = ["stock", *dict.fromkeys(n for n in variant_names if n != "stock")]
     variants = [_variant(n) for n in names]
-    bar = tqdm(total=len(variants) * len(docs_counts) * count, desc="quality", unit="q",
-               disable=not progress)
+    bar = tqdm(total=len(variants) * len(docs_counts) * len(sizes) * count, desc="quality",
+               unit="q", disable=not progress)
+
+    def count_tokens(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
     rows: list[dict[str, Any]] = []
-    for n_docs in docs_counts:
-        questions = make_questions(count, n_docs, seed)
-        answers: dict[str, _Answers] = {}
-        for variant in variants:
-            key = store.key(variant.name, n_docs, count, seed, model)
-            found = store.get(key)
-            if found is None:
-                bar.set_postfix_str(f"{variant.name}, {n_docs} docs")
-                engine.reset_cache()
-                found = answer(engine, variant, questions, progress=bar.update)
-                store.put(key, found)
-            else:
-                bar.update(count)
-            answers[variant.name] = found
-        for variant in variants:
-            layout = answers.get(_layout_name(variant.options)) if variant.is_span else None
-            rows.append(_row(variant, n_docs, answers[variant.name], answers["stock"], layout))
+    for size in sizes:
+        for n_docs in docs_counts:
+            questions = make_questions(count, n_docs, seed, size=size,
+                                       count_tokens=count_tokens)
+            answers: dict[str, _Answers] = {}
+            for variant in variants:
+                key = store.key(variant.name, n_docs, count, seed, model, size)
+                found = store.get(key)
+                if found is None:
+                    bar.set_postfix_str(f"{variant.name}, {size}, {n_docs} docs")
+                    engine.reset_cache()
+                    found = answer(engine, variant, questions, progress=bar.update)
+                    store.put(key, found)
+                else:
+                    bar.update(count)
+                answers[variant.name] = found
+            for variant in variants:
+                layout = (answers.get(_layout_name(variant.options)) if variant.is_span
+                          else None)
+                row = _row(variant, n_docs, answers[variant.name], answers["stock"], layout)
+                rows.append({"model": _model_label(model), "size": size, **row})
     bar.close()
     if ttft_docs < 1:  # answers only
         for row in rows:
-            row["ttft_hit_s"] = row["speedup_hit"] = None
+            for name in HIT_COLUMNS:
+                row[name] = None
         return rows
-    ttft_texts = documents(engine.tokenizer, ttft_docs, ttft_doc_tokens)
-    ttft_question = "Which module do the documents describe first?"
-    stock_ttft = hit_ttft(engine, None, ttft_texts, ttft_question, reps)
-    hits = {v.name: hit_ttft(engine, v.options, ttft_texts, ttft_question, reps)
-            for v in variants if v.is_span}
+    # Span-hit TTFT of a new combination of cached documents: 16 × 440 tokens (the headline,
+    # as in bench rag) and 16 documents of each size of this run's questions.
+    pools = {"440": documents(engine.tokenizer, 3 * ttft_docs, ttft_doc_tokens)}
+    for size in sizes:
+        pools[size] = [q.documents[0] for q in make_questions(
+            3 * ttft_docs, 1, seed, size=size, count_tokens=count_tokens)]
+    question = "Which module do the documents describe first?"
+    timed: dict[tuple[str, str], tuple[float, int]] = {}
+    for pool_name, pool in pools.items():
+        timed[("stock", pool_name)] = hit_ttft(engine, None, pool, ttft_docs, question, reps)
+        for v in variants:
+            if v.is_span:
+                timed[(v.name, pool_name)] = hit_ttft(engine, v.options, pool, ttft_docs,
+                                                      question, reps)
     for row in rows:
-        if row["variant"] == "stock":
-            row["ttft_hit_s"], row["speedup_hit"] = stock_ttft, 1.0
-        elif row["variant"] in hits:
-            t = hits[row["variant"]]
-            row["ttft_hit_s"], row["speedup_hit"] = t, stock_ttft / t
-        else:
-            row["ttft_hit_s"] = row["speedup_hit"] = None
+        for suffix, pool_name in (("", "440"), ("_own", row["size"])):
+            hit = timed.get((row["variant"], pool_name))
+            stock_ttft = timed[("stock", pool_name)][0]
+            row[f"ttft_hit{suffix}_s"] = hit[0] if hit else None
+            row[f"speedup_hit{suffix}"] = stock_ttft / hit[0] if hit else None
+            row[f"steps_hit{suffix}"] = hit[1] if hit else None
     return rows
 
 
-#: What ``bench quality`` runs unless ``--variants`` says otherwise.
-DEFAULT_VARIANTS = ("stock", "prefix", "prefix/link", "self", "self/link", "full@pad-after")
+#: The span-hit columns of a row: at 16 × 440 tokens, and at 16 documents of the row's size.
+HIT_COLUMNS = ("ttft_hit_s", "speedup_hit", "steps_hit", "ttft_hit_own_s", "speedup_hit_own",
+               "steps_hit_own")
+
+
+def _model_label(model_dir_name: str) -> str:
+    """A model's name without the checksum suffix of its cache directory."""
+    head, _, tail = model_dir_name.rpartition("-")
+    return head if head and len(tail) == 16 and all(c in "0123456789abcdef" for c in tail) \
+        else model_dir_name
+
+
+#: What ``bench quality`` runs unless ``--variants`` says otherwise: the link frontier.
+DEFAULT_VARIANTS = ("stock", "prefix", "prefix/link", "prefix/link2", "prefix/link4",
+                    "prefix/link-all", "full@pad-after")
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
@@ -265,56 +338,75 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     def num(value: float | None, digits: int = 3) -> str:
         return "–" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
+    def signed(value: float | None) -> str:
+        return "–" if value is None or math.isnan(value) else f"{100 * value:+.1f}"
+
     kinds = list(QUESTION_KINDS)
-    head = ["variant", "docs", "questions", "accuracy %", "95 % CI",
-            *[f"{k} %" for k in kinds], "KL vs stock", "KL vs layout", "hit TTFT (s)",
-            "speedup"]
+    head = ["model", "size", "variant", "docs", "questions", "accuracy %", "95 % CI",
+            "Δ vs stock", "Δ 95 % CI", *[f"{k} %" for k in kinds], "KL vs stock",
+            "KL vs layout", "hit TTFT (s)", "hit steps", "speedup"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         speed = r.get("speedup_hit")
-        cells = [r["variant"], str(r["n_docs"]), str(r["questions"]), pct(r["accuracy"]),
-                 f"{pct(r['ci_low'])}–{pct(r['ci_high'])}",
+        steps = r.get("steps_hit")
+        cells = [r.get("model", ""), r.get("size", "short"), r["variant"], str(r["n_docs"]),
+                 str(r["questions"]), pct(r["accuracy"]),
+                 f"{pct(r['ci_low'])}–{pct(r['ci_high'])}", signed(r.get("delta_vs_stock")),
+                 f"{signed(r.get('delta_low'))}…{signed(r.get('delta_high'))}",
                  *[pct(r[f"acc_{k}"]) for k in kinds], num(r["kl_first_token"]),
                  num(r["kl_vs_layout"]), num(r.get("ttft_hit_s"), 4),
+                 "–" if steps is None else str(steps),
                  "–" if speed is None else f"{speed:.1f}×"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
-    """Accuracy (95 % intervals) per variant and document count, next to each span
-    variant's hit speedup over stock; saved as PNG."""
+    """The link frontier: accuracy (95 % intervals) against the span-hit speedup over stock,
+    one panel per document size, a point per variant, document count and model, stock at 1×;
+    saved as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(dict.fromkeys(r["variant"] for r in rows))
+    sizes = list(dict.fromkeys(r.get("size", "short") for r in rows))
+    models = list(dict.fromkeys(r.get("model", "") for r in rows))
     counts = sorted({r["n_docs"] for r in rows})
-    fig, (acc_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2),
-                                           gridspec_kw={"width_ratios": [2, 1]})
-    width = 0.8 / len(counts)
-    for j, n_docs in enumerate(counts):
-        by_name = {r["variant"]: r for r in rows if r["n_docs"] == n_docs}
-        xs = [i + (j - (len(counts) - 1) / 2) * width for i in range(len(names))]
-        acc = [100 * by_name[n]["accuracy"] if n in by_name else math.nan for n in names]
-        err = [[100 * (by_name[n]["accuracy"] - by_name[n]["ci_low"]) if n in by_name else 0
-                for n in names],
-               [100 * (by_name[n]["ci_high"] - by_name[n]["accuracy"]) if n in by_name else 0
-                for n in names]]
-        acc_ax.bar(xs, acc, width, yerr=err, capsize=3, label=f"{n_docs} documents")
-    acc_ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    acc_ax.set_ylabel("answers correct (%)")
-    acc_ax.set_title("invented-fact RAG answers (greedy)")
-    acc_ax.grid(True, axis="y", alpha=0.3)
-    acc_ax.legend()
-    fast = {r["variant"]: r["speedup_hit"] for r in rows if r.get("speedup_hit")}
-    speed_ax.bar(list(fast), list(fast.values()), color="tab:green")
-    speed_ax.set_yscale("log")
-    speed_ax.set_ylabel("stock TTFT / span-hit TTFT")
-    speed_ax.set_title("TTFT speedup, 16 documents reordered")
-    speed_ax.tick_params(axis="x", rotation=30)
-    speed_ax.grid(True, axis="y", alpha=0.3)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6.2 * len(sizes), 4.8), squeeze=False)
+    markers = "osD^v"
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, size in zip(axes[0], sizes, strict=True):
+        for m, model in enumerate(models):
+            for c, n_docs in enumerate(counts):
+                picked = [r for r in rows if r.get("size", "short") == size
+                          and r.get("model", "") == model and r["n_docs"] == n_docs
+                          and r.get("speedup_hit")]
+                if not picked:
+                    continue
+                xs = [r["speedup_hit"] for r in picked]
+                ys = [100 * r["accuracy"] for r in picked]
+                err = [[100 * (r["accuracy"] - r["ci_low"]) for r in picked],
+                       [100 * (r["ci_high"] - r["accuracy"]) for r in picked]]
+                ax.errorbar(xs, ys, yerr=err, fmt=markers[c % len(markers)], capsize=3,
+                            color=colors[m % len(colors)],
+                            label=f"{model or 'model'}, {n_docs} docs")
+                family = sorted((r for r in picked if r["variant"].startswith("prefix")),
+                                key=lambda r: r["speedup_hit"])
+                ax.plot([r["speedup_hit"] for r in family],
+                        [100 * r["accuracy"] for r in family], "-", alpha=0.4,
+                        color=colors[m % len(colors)])
+                for r in picked:
+                    ax.annotate(r["variant"].replace("prefix/", ""),
+                                (r["speedup_hit"], 100 * r["accuracy"]), fontsize=7,
+                                xytext=(4, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("span-hit speedup over stock (16 × 440 tokens, new combination)")
+        ax.set_ylabel("answers correct (%)")
+        ax.set_title(f"{size} documents")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("the link frontier: accuracy vs span-hit speed (invented-fact RAG, greedy)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -337,9 +429,16 @@ def run_quality(args: Any) -> int:
     engine = Engine(args.model, kv_cache_gib=4, progress=True)
     try:
         rows = bench_quality(engine, names, args.docs or [4, 8], args.questions,
-                             seed=args.seed, reps=args.reps, store=store)
+                             seed=args.seed, reps=args.reps, store=store,
+                             sizes=args.sizes or ["short", "long"],
+                             ttft_docs=0 if args.no_ttft else 16)
     finally:
         engine.close()
+    if args.merge_json and args.merge_json.exists():  # rows of other models, kept
+        previous = json.loads(args.merge_json.read_text())
+        ours = {(r["model"], r["size"], r["n_docs"], r["variant"]) for r in rows}
+        rows = [r for r in previous if (r.get("model"), r.get("size", "short"), r["n_docs"],
+                                        r["variant"]) not in ours] + rows
     print_table(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -380,12 +479,28 @@ def _row(variant: Variant, n_docs: int, own: _Answers, stock: _Answers,
         "variant": variant.name, "n_docs": n_docs, "questions": n, "accuracy": hits / n,
         "ci_low": low, "ci_high": high,
     }
+    row["delta_vs_stock"], row["delta_low"], row["delta_high"] = paired_delta(
+        own.correct, stock.correct)
     for fact in QUESTION_KINDS:
         picked = [c for c, f in zip(own.correct, own.facts, strict=True) if f == fact]
         row[f"acc_{fact}"] = sum(picked) / len(picked) if picked else float("nan")
     row["kl_first_token"] = _mean_kl(stock.first, own.first)
     row["kl_vs_layout"] = _mean_kl(layout.first, own.first) if layout is not None else None
     return row
+
+
+def paired_delta(own: Sequence[bool], reference: Sequence[bool], z: float = 1.96
+                 ) -> tuple[float, float, float]:
+    """Accuracy of ``own`` minus ``reference`` on the same questions, with the 95 % interval
+    of a paired difference (normal approximation over the per-question differences)."""
+    diffs = [int(a) - int(b) for a, b in zip(own, reference, strict=True)]
+    if not diffs:
+        return float("nan"), float("nan"), float("nan")
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, -1.0, 1.0
+    half = z * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return mean, max(-1.0, mean - half), min(1.0, mean + half)
 
 
 def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> float:
@@ -395,5 +510,5 @@ def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> floa
 
 
 __all__ = ["DEFAULT_VARIANTS", "MAX_TOKENS", "SYSTEM", "VARIANTS", "AnswerStore", "Variant",
-           "answer", "bench_quality", "hit_ttft", "kl_top", "markdown_table", "plot_quality",
-           "run_quality"]
+           "answer", "bench_quality", "hit_ttft", "kl_top", "markdown_table",
+           "new_combinations", "paired_delta", "plot_quality", "run_quality"]

@@ -135,10 +135,11 @@ def span_forward(model: Any, tq: TokenizedQuery, answer_ids: Sequence[int]) -> t
     kv = _KV.empty(layers)
     tokens = tq.token_ids
     options = tq.options
+    links = {s[0]: (s[2] if len(s) > 2 else 0) for s in tq.segments}
     for index, (kind, spans) in enumerate(runs):
         if kind == "plus":
-            _plus_group(model, kv, tokens, spans, options.attend, options.link_blocks,
-                        tq.block_size, device)
+            _plus_group(model, kv, tokens, spans, options.attend,
+                        [links.get(s.offset, 0) for s in spans], tq.block_size, device)
             continue
         span = spans[0]
         ids = list(tokens[span.offset: span.offset + span.length])
@@ -158,10 +159,10 @@ def span_forward(model: Any, tq: TokenizedQuery, answer_ids: Sequence[int]) -> t
 
 
 def _plus_group(model: Any, kv: _KV, tokens: Sequence[int], spans: list[Span], attend: str,
-                link_blocks: int, block_size: int, device: torch.device) -> None:
+                links: list[int], block_size: int, device: torch.device) -> None:
     """Compute one plus group's spans in their mode's context, rotate them into place, then
-    their link blocks; append the group's final KV to ``kv``. Spans of one length share a
-    batched forward (no padding)."""
+    their link blocks (``links[i]`` blocks of span ``i``, as its segment says); append the
+    group's final KV to ``kv``. Spans of one length share a batched forward (no padding)."""
     context = kv.length if attend == "prefix" else 0
     span_k: list[list[torch.Tensor]] = [[] for _ in spans]
     span_v: list[list[torch.Tensor]] = [[] for _ in spans]
@@ -181,18 +182,10 @@ def _plus_group(model: Any, kv: _KV, tokens: Sequence[int], spans: list[Span], a
             delta = spans[i].offset - context
             span_k[i] = [_rotate(model, k[r: r + 1], delta) for k in new_k]
             span_v[i] = [v[r: r + 1] for v in new_v]
-    links = [_link_count(i, s, attend, link_blocks, block_size) for i, s in enumerate(spans)]
     if any(links):
         _links(model, kv, tokens, spans, links, span_k, span_v, block_size, device)
     for keys, values in zip(span_k, span_v, strict=True):
         kv.append(keys, values)
-
-
-def _link_count(index: int, span: Span, attend: str, link_blocks: int, block_size: int) -> int:
-    """How many of a span's first blocks are link blocks (as the compiler decides)."""
-    if attend == "prefix" and index == 0:
-        return 0
-    return min(link_blocks, span.length // block_size)
 
 
 def _links(model: Any, kv: _KV, tokens: Sequence[int], spans: list[Span], links: list[int],

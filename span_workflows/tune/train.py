@@ -278,13 +278,15 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
 
 
 def _lr_lambda(config: TuneConfig) -> Callable[[int], float]:
-    """Linear warm-up, then cosine decay to 10 % over the run's optimizer steps."""
+    """Linear warm-up (``warmup_steps``, at most a tenth of the run), then cosine decay to
+    10 % over the run's optimizer steps."""
     total = max(config.optimizer_steps, 1)
+    warmup = max(1, min(config.warmup_steps, total // 10))
 
     def scale(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        progress = (step - config.warmup_steps) / max(total - config.warmup_steps, 1)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(total - warmup, 1)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return scale

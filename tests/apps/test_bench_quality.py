@@ -14,9 +14,10 @@ from span_workflows.apps.cli import main
 from span_workflows.apps.qa_set import QUESTION_KINDS, is_correct, make_questions
 from span_workflows.apps.report import wilson
 
-ROW_KEYS = {"variant", "n_docs", "questions", "accuracy", "ci_low", "ci_high",
+ROW_KEYS = {"model", "size", "variant", "n_docs", "questions", "accuracy", "ci_low", "ci_high",
+            "delta_vs_stock", "delta_low", "delta_high",
             *(f"acc_{k}" for k in QUESTION_KINDS), "kl_first_token", "kl_vs_layout",
-            "ttft_hit_s", "speedup_hit"}
+            *bq.HIT_COLUMNS}
 
 
 def test_each_question_is_answered_by_exactly_its_target_document() -> None:
@@ -28,6 +29,35 @@ def test_each_question_is_answered_by_exactly_its_target_document() -> None:
         assert q.answer in q.answer_document
         if q.fact != "when":  # names and towns are unique; two entities may share a year
             assert sum(q.answer in d for d in q.documents) == 1, q
+
+
+def test_long_documents_hold_the_same_facts_at_random_depths(tokenizer) -> None:
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    short = make_questions(60, n_docs=4, seed=2)
+    long = make_questions(60, n_docs=4, seed=2, size="long", count_tokens=count)
+    depths = []
+    for s, q in zip(short, long, strict=True):
+        assert (s.question, s.answer, s.target) == (q.question, q.answer, q.target)
+        doc = q.answer_document
+        assert 256 <= count(doc) <= 512
+        assert q.answer in doc
+        if q.fact != "when":
+            assert sum(q.answer in d for d in q.documents) == 1
+        sentences = doc.split(". ")
+        depths.append(next(i for i, t in enumerate(sentences) if q.answer in t) / len(sentences))
+        # the filler names no person, town or year: every capitalised name is the entity's
+        # or one of its facts
+        for word in {w.strip(".,") for w in doc.split() if w[:1].isupper()}:
+            assert word in s.answer_document or word in {"Its", "It", "A", "The", "In",
+                                                         "On", "At", "Some", "Every", "Over",
+                                                         "Many", "Local", "Old", "Birds",
+                                                         "Musicians", "Guided", "School",
+                                                         "Storms", "Painters", "People",
+                                                         "Visitors", "Travellers",
+                                                         "Photographers", "Each"}, word
+    assert min(depths) < 0.2 and max(depths) > 0.7  # near the start and near the end
 
 
 def test_the_question_set_is_deterministic_per_seed() -> None:
@@ -80,15 +110,35 @@ def test_unknown_variant_fails_before_the_engine_starts(capsys) -> None:
     assert "prefx" in err and "prefix/link" in err and "Traceback" not in err
 
 
+def test_paired_delta_and_new_combinations() -> None:
+    assert bq.paired_delta([True] * 4, [True] * 4) == (0.0, 0.0, 0.0)
+    delta, low, high = bq.paired_delta([True, False] * 50, [True] * 100)
+    assert delta == -0.5 and low < -0.5 < high < 0
+    pool = [f"doc {i}" for i in range(12)]
+    seen, fresh = bq.new_combinations(pool, 4, 5)
+    assert [len(s) for s in seen] == [4, 4, 4] and sorted(sum(seen, [])) == sorted(pool)
+    sets = [frozenset(s) for s in seen]
+    for combination in fresh:
+        assert len(set(combination)) == 4 and frozenset(combination) not in sets
+        sets.append(frozenset(combination))
+
+
 def test_table_and_plot(tmp_path: Path) -> None:
-    rows = [bq._row(bq.VARIANTS[name], n, _answers(c), _answers(c), None)
-            for name, c in (("stock", [True] * 3), ("prefix", [True, False, False]))
+    stock = _answers([True] * 3)
+    rows = [{"model": model, "size": size,
+             **bq._row(bq.VARIANTS[name], n, _answers(c), stock, None)}
+            for model in ("base", "tuned") for size in ("short", "long")
+            for name, c in (("stock", [True] * 3), ("prefix", [True, False, False]),
+                            ("prefix/link", [True, True, False]))
             for n in (4, 8)]
     for row in rows:
-        row["ttft_hit_s"], row["speedup_hit"] = 0.01, 10.0
+        row["ttft_hit_s"], row["speedup_hit"], row["steps_hit"] = 0.01, 10.0, 2
+        if row["variant"] == "stock":
+            row["speedup_hit"], row["steps_hit"] = 1.0, 1
     table = bq.markdown_table(rows)
     assert table.count("\n") == 2 + len(rows)
-    assert "| prefix | 8 | 3 | 33.3 |" in table
+    assert "| tuned | long | prefix | 8 | 3 | 33.3 | 6.1–79.2 | -66.7 |" in table
+    assert "| 0.0 | 0.0…0.0 |" not in table and "| +0.0 | +0.0…+0.0 |" in table  # stock itself
     bq.plot_quality(rows, tmp_path / "quality.png")
     assert (tmp_path / "quality.png").stat().st_size > 10_000
 
@@ -110,24 +160,34 @@ class CountingEngine:
 def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     store = bq.AnswerStore(tmp_path / "answers.json")
     counting = CountingEngine(engine)
-    names = ["prefix", "full@pad-after"]
+    names = ["prefix/link", "full@pad-after"]
+    sizes = ("short", "long")
     rows = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
-                            progress=False, store=store)
-    assert counting.answering_calls == 3  # stock, prefix, full@pad-after: one batch each
-    assert [r["variant"] for r in rows] == ["stock", "prefix", "full@pad-after"]
-    by_name = {r["variant"]: r for r in rows}
+                            progress=False, store=store, sizes=sizes)
+    assert counting.answering_calls == 6  # stock, prefix/link, full@: one batch per size
+    assert [(r["size"], r["variant"]) for r in rows] == [
+        (size, name) for size in sizes for name in ("stock", "prefix/link", "full@pad-after")]
     for row in rows:
         assert set(row) == ROW_KEYS and row["questions"] == 6
         assert row["ci_low"] <= row["accuracy"] <= row["ci_high"]
-    assert by_name["stock"]["kl_first_token"] == 0.0  # stock against itself
-    assert by_name["prefix"]["kl_first_token"] > 0.0  # spans see less than the full prompt
-    assert by_name["prefix"]["kl_vs_layout"] is not None
-    assert by_name["prefix"]["speedup_hit"] > 0 and by_name["full@pad-after"]["ttft_hit_s"] is None
+        assert row["delta_low"] <= row["delta_vs_stock"] <= row["delta_high"]
+    by_name = {(r["size"], r["variant"]): r for r in rows}
+    for size in sizes:
+        assert by_name[size, "stock"]["kl_first_token"] == 0.0  # stock against itself
+        assert by_name[size, "stock"]["delta_vs_stock"] == 0.0
+        linked = by_name[size, "prefix/link"]
+        assert linked["kl_first_token"] > 0.0  # spans see less than the full prompt
+        assert linked["kl_vs_layout"] is not None
+        # a hit of a new combination: the links in one step, then the answer
+        assert linked["speedup_hit"] > 0 and linked["steps_hit"] == 2
+        assert linked["steps_hit_own"] == 2 and by_name[size, "stock"]["steps_hit"] == 1
+        assert by_name[size, "full@pad-after"]["ttft_hit_s"] is None
     saved = json.loads((tmp_path / "answers.json").read_text())
-    assert len(saved) == 3
+    assert len(saved) == 6 and all("links=batched" in k for k in saved if "/link" in k)
 
     counting.answering_calls = 0
     again = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
-                             progress=False, store=bq.AnswerStore(tmp_path / "answers.json"))
+                             progress=False, store=bq.AnswerStore(tmp_path / "answers.json"),
+                             sizes=sizes)
     assert counting.answering_calls == 0  # every answer came from the file
     assert [r["accuracy"] for r in again] == [r["accuracy"] for r in rows]
