@@ -3,11 +3,14 @@
 Every number of one table comes from the same process, engine, model and inputs, so ratios are
 meaningful on a shared, noisy machine even when absolute times are not.
 
-* ``rag`` — N documents × ``--doc-tokens`` tokens and a question: TTFT of *stock* (plain chat
-  prompt, vLLM prefix caching on, documents shuffled per request as a retriever returns them),
-  *span miss* (empty cache, prepares included), *span hit* (same documents seen before in another
-  order) and the *floor* (the question alone).
-* ``nested`` — judge/generator with a fan-out of n drafts: TTFT of the judge call.
+* ``rag`` — N documents × ``--doc-tokens`` tokens and a question: TTFT and engine steps of
+  *stock* (plain chat prompt, vLLM prefix caching on, documents shuffled per request as a
+  retriever returns them), *span miss* (empty cache, prepares included), *span hit* of the same
+  documents seen before in another order (*reordered*) and of a *new combination* (every
+  document cached by earlier queries of N documents, never this set: what a retriever asks),
+  and the *floor* (the question alone).
+* ``nested`` — judge/generator with a fan-out of n drafts: TTFT and engine steps of the judge
+  call.
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query, and the plugin's block
   hashing cost per block at 1k / 32k / 128k tokens (plain and span layouts).
@@ -41,36 +44,59 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
     """One row per document count; see the module docstring."""
     from tqdm.auto import tqdm
 
+    from span_workflows.apps.bench_quality import new_combinations
+
     rng = random.Random(0)
-    docs = documents(engine.tokenizer, max(docs_counts) * (reps + 2), doc_tokens)
+    docs = documents(engine.tokenizer, max(docs_counts) * 3, doc_tokens)
     rows = []
     for n in tqdm(docs_counts, desc="rag", disable=not progress):
-        stock, miss, hit, floor, same, hits = [], [], [], [], [], []
+        runs: dict[str, list[Any]] = {k: [] for k in ("stock", "miss", "hit", "combo",
+                                                      "floor")}
+        same, hits = [], []
+        pool = docs[: 3 * n]
+        seen, fresh = new_combinations(pool, n, reps, seed=n) if n > 1 else (
+            [[d] for d in pool], [[pool[0]]] * reps)
         for rep in range(reps):
-            chosen = docs[(rep * n) % len(docs):][:n]
-            if len(chosen) < n:
-                chosen = docs[:n]
+            chosen = seen[rep % len(seen)]
             shuffled = chosen[:]
             rng.shuffle(shuffled)
-            stock.append(engine.stock(rag(SYSTEM, shuffled, QUESTION, max_tokens=8)).metrics.ttft_s)
+            runs["stock"].append(engine.stock(rag(SYSTEM, shuffled, QUESTION, max_tokens=8)))
             engine.reset_cache()
             first = engine.execute(rag(SYSTEM, chosen, QUESTION, max_tokens=8))
-            miss.append(first.metrics.ttft_s)
+            runs["miss"].append(first)
             again = engine.execute(rag(SYSTEM, list(reversed(chosen)), QUESTION, max_tokens=8))
-            hit.append(again.metrics.ttft_s)
+            runs["hit"].append(again)
             doc_span_tokens = again.query.num_span_tokens if again.query else 0
             cached_docs = max(0, again.metrics.cached_tokens - _prefix_len(again))
             hits.append(cached_docs / doc_span_tokens if doc_span_tokens else 0.0)
             same.append(first.text == again.text)
+            # a new combination: every document cached by an earlier query, never this set
             engine.reset_cache()
-            floor.append(engine.stock(g(user(QUESTION), max_tokens=1, temperature=0.0))
-                         .metrics.ttft_s)
+            for earlier in seen:
+                engine.execute(rag(SYSTEM, earlier, QUESTION, max_tokens=1))
+            combo = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8))
+            runs["combo"].append(combo)
+            engine.reset_cache()
+            alone = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8))
+            same.append(alone.text == combo.text)  # the hit answers as a fresh engine does
+            engine.reset_cache()
+            runs["floor"].append(engine.stock(g(user(QUESTION), max_tokens=1,
+                                                temperature=0.0)))
         med = statistics.median
+        ttft = {k: med(r.metrics.ttft_s for r in v) for k, v in runs.items()}
+        steps = {k: int(med(r.metrics.engine_steps for r in v)) for k, v in runs.items()}
         rows.append({
             "n_docs": n,
-            "ttft_stock_s": med(stock), "ttft_span_miss_s": med(miss),
-            "ttft_span_hit_s": med(hit), "ttft_floor_s": med(floor),
-            "speedup_hit": med(stock) / med(hit), "speedup_miss": med(stock) / med(miss),
+            "ttft_stock_s": ttft["stock"], "ttft_span_miss_s": ttft["miss"],
+            "ttft_span_hit_s": ttft["hit"], "ttft_span_new_combination_s": ttft["combo"],
+            "ttft_floor_s": ttft["floor"],
+            "speedup_hit": ttft["stock"] / ttft["hit"],
+            "speedup_new_combination": ttft["stock"] / ttft["combo"],
+            "speedup_miss": ttft["stock"] / ttft["miss"],
+            "hit_over_floor": ttft["hit"] / ttft["floor"],
+            "new_combination_over_floor": ttft["combo"] / ttft["floor"],
+            "steps_stock": steps["stock"], "steps_miss": steps["miss"],
+            "steps_hit": steps["hit"], "steps_new_combination": steps["combo"],
             "hit_rate": med(hits), "same_output": all(same),
         })
     return rows
@@ -96,18 +122,17 @@ def bench_nested(engine: Any, fanouts: Sequence[int], reps: int,
                 judge_max_tokens=4, temperature=0.5,
             )
             engine.reset_cache()
-            stock.append(_judge_ttft(engine.stock(q)))
+            stock.append(engine.stock(q).metrics)
             engine.reset_cache()
-            span.append(_judge_ttft(engine.execute(q)))
+            span.append(engine.execute(q).metrics)
         med = statistics.median
-        rows.append({"fanout": n, "ttft_judge_stock_s": med(stock),
-                     "ttft_judge_span_s": med(span), "speedup": med(stock) / med(span)})
+        stock_ttft = med(m.final_ttft_s for m in stock)
+        span_ttft = med(m.final_ttft_s for m in span)
+        rows.append({"fanout": n, "ttft_judge_stock_s": stock_ttft,
+                     "ttft_judge_span_s": span_ttft, "speedup": stock_ttft / span_ttft,
+                     "steps_judge_stock": int(med(m.final_steps for m in stock)),
+                     "steps_judge_span": int(med(m.final_steps for m in span))})
     return rows
-
-
-def _judge_ttft(result: Any) -> float:
-    """TTFT of the outer judge call alone: its first token minus the end of its drafts."""
-    return result.metrics.final_ttft_s
 
 
 def bench_reposition(block_counts: Sequence[int], reps: int = 5) -> list[dict[str, Any]]:
@@ -232,7 +257,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
             if name == "rag":
                 rows = bench_rag(engine, args.docs, args.doc_tokens, args.reps)
                 x, ys = "n_docs", ["ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
-                                   "ttft_floor_s"]
+                                   "ttft_span_new_combination_s", "ttft_floor_s"]
                 label = "TTFT (s)"
             elif name == "nested":
                 rows = bench_nested(engine, args.fanout, args.reps)

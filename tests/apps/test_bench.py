@@ -10,25 +10,34 @@ import pytest
 
 from span_workflows.apps import bench
 
-RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s", "ttft_floor_s",
-            "speedup_hit", "speedup_miss", "hit_rate", "same_output"}
+RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
+            "ttft_span_new_combination_s", "ttft_floor_s", "speedup_hit",
+            "speedup_new_combination", "speedup_miss", "hit_over_floor",
+            "new_combination_over_floor", "steps_stock", "steps_miss", "steps_hit",
+            "steps_new_combination", "hit_rate", "same_output"}
 
 
 @pytest.mark.engine
 def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
-    rows = bench.bench_rag(engine, [1, 2], doc_tokens=48, reps=1, progress=False)
-    assert [r["n_docs"] for r in rows] == [1, 2]
+    rows = bench.bench_rag(engine, [1, 3], doc_tokens=48, reps=1, progress=False)
+    assert [r["n_docs"] for r in rows] == [1, 3]
     for row in rows:
         assert set(row) == RAG_KEYS
         assert row["ttft_span_hit_s"] > 0 and row["ttft_stock_s"] > 0
         assert 0.9 <= row["hit_rate"] <= 1.0
         assert row["same_output"] is True
+        assert row["steps_stock"] == row["steps_hit"] == 1
+    one, three = rows
+    assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
+    assert three["steps_new_combination"] == 2  # the links in one step, then the answer
 
 
 @pytest.mark.engine
 def test_nested_and_compile_benches_run(engine) -> None:
     nested = bench.bench_nested(engine, [2], reps=1, progress=False)
-    assert set(nested[0]) == {"fanout", "ttft_judge_stock_s", "ttft_judge_span_s", "speedup"}
+    assert set(nested[0]) == {"fanout", "ttft_judge_stock_s", "ttft_judge_span_s", "speedup",
+                              "steps_judge_stock", "steps_judge_span"}
+    assert nested[0]["steps_judge_span"] >= 1
     comp = bench.bench_compile(engine, [1, 2], doc_tokens=48, reps=1)
     assert all(0 < r["compile_s"] and r["share_of_hit_ttft"] > 0 for r in comp)
 
