@@ -80,6 +80,22 @@ def test_rag_reuses_spans_in_any_order(http: httpx.Client) -> None:
         assert usage["prompt_tokens"] == metrics["prompt_tokens"]
         assert metrics["ttft_s"] >= metrics["final_ttft_s"] > 0
         assert answer["texts"] == [answer["text"]]
+    # the engine core counts the steps (another process): the reordered hit takes one
+    assert second["metrics"]["engine_steps"] == 1
+
+
+def test_a_new_combination_waits_two_engine_steps_over_http(http: httpx.Client) -> None:
+    extra = ("The Louvre is the most visited museum in Paris, with thirty thousand visitors "
+             "a day. ") * 3
+    _execute(http, _rag([DOCS[0], DOCS[1]]))
+    _execute(http, _rag([DOCS[2], extra]))
+    combo = _execute(http, _rag([DOCS[0], DOCS[2], extra]))  # all cached, never together
+    assert combo["metrics"]["prepare_requests"] == 0
+    # (a link already cached when an earlier query had the same spans before it)
+    assert combo["metrics"]["link_requests"] >= 1
+    assert combo["metrics"]["engine_steps"] == 2  # the links in one step, then the answer
+    again = _execute(http, _rag([extra, DOCS[2], DOCS[0]]))
+    assert again["metrics"]["engine_steps"] == 1
 
 
 def test_stream_matches_non_stream(http: httpx.Client) -> None:
