@@ -282,7 +282,7 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
             "model_name": self.model_name, "model_provider": "span_workflows",
             "ttft_s": m.ttft_s, "latency_s": m.latency_s,
             "prepare_requests": m.prepare_requests, "link_requests": m.link_requests,
-            "cached_tokens": m.cached_tokens,
+            "cached_tokens": m.cached_tokens, "engine_steps": m.engine_steps,
             "finish_reason": result.finish_reason,
         }
         if result.logprobs:

@@ -102,6 +102,11 @@ def test_rag_chain_reuses_documents_in_any_order(engine, retriever: SpanRetrieve
     assert first.metrics.prepare_requests > 0
     assert second.metrics.prepare_requests == 0
     # The cached tokens reach LangChain's usage metadata (here through a callback).
+    # The second answer waited for one engine step (every document cached, same set): the
+    # figure reaches LangChain's response metadata.
+    assert second.metrics.engine_steps == 1 < first.metrics.engine_steps
+    assert llm.invoke(prompt.invoke({"context": "\n\n".join(docs_1), "question": QUESTION_1})
+                      ).response_metadata["engine_steps"] == 1
     seen = usage.usage_metadata["smollm2-135m-instruct"]
     assert seen["input_token_details"]["cache_read"] == second.metrics.cached_tokens
     assert seen["input_tokens"] == second.metrics.prompt_tokens

@@ -257,10 +257,12 @@ class SpanLLM(CustomLLM, FunctionCallingLLM, QueryRunner):
 
 
 def _usage(result: Result | None) -> dict[str, Any]:
-    """The usage a response carries: OpenAI-style counts and the time to first token."""
+    """The usage a response carries: OpenAI-style counts, the time to first token and the
+    engine steps the answer waited for."""
     if result is None:
         return {}
-    return {**result.metrics.usage(), "ttft_s": result.metrics.ttft_s}
+    return {**result.metrics.usage(), "ttft_s": result.metrics.ttft_s,
+            "engine_steps": result.metrics.engine_steps}
 
 
 def _completion(result: Result) -> CompletionResponse:
