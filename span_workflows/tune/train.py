@@ -26,6 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from span_workflows.errors import SpanQueryError
+from span_workflows.model import SPAN_DEFAULTS_FILE
+
+#: The span options most span-form examples are computed with, recorded with the adapter
+#: (engines on the merged model default to them).
+TRAINED_OPTIONS = {"attend": "prefix", "link_blocks": 0}
 
 #: The modules LoRA adapts (Llama-family names): attention and MLP projections.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -274,6 +279,9 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
                "base_dir": base_path.name, "losses": report.losses,
                "examples": report.examples}
         (report.adapter / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+        # what the model was trained for: engines on the merged model default to it
+        (report.adapter / SPAN_DEFAULTS_FILE).write_text(json.dumps(
+            {"span_ready": True, "span_options": TRAINED_OPTIONS}, indent=1) + "\n")
     return report
 
 

@@ -59,11 +59,18 @@ def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, 
     assert main(["tune", "--out", str(out), *TINY[:-2], "--seed", "6"]) == 2
     assert "--out" in capsys.readouterr().err
 
-    # the merged checkpoint is a plain model: the engine serves it (another process)
+    # the merged checkpoint is a plain model that records the span options it was trained
+    # for; the engine serves it (another process)
     assert (merged / "config.json").is_file() and not (merged / "adapter_config.json").exists()
+    from span_workflows.model import span_defaults
+
+    assert span_defaults(merged) == {"attend": "prefix", "link_blocks": 0}
     query = tmp_path / "q.json"
+    docs = [{"user": "The Plyack Mill was built in 1788. " * 3},
+            {"user": "The Jueng Library has four reading rooms. " * 3}]
     query.write_text(json.dumps({"g": {"input": [{"system": "Answer briefly."},
-                                                 {"user": "Name a colour."}],
+                                                 {"plus": docs},
+                                                 {"user": "When was the mill built?"}],
                                        "max_tokens": 4, "temperature": 0.0}}))
     run = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", "run", str(query),
                           "--model", str(merged), "--json"], capture_output=True, text=True,
@@ -71,3 +78,6 @@ def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, 
     assert run.returncode == 0, run.stderr[-2000:]
     [answer] = json.loads(run.stdout)
     assert answer["metrics"]["generated_tokens"] >= 1 and answer["text"].strip()
+    # its engine took the options the model records: no link blocks (the base's default
+    # links the second document)
+    assert answer["metrics"]["prepare_requests"] == 2 and answer["metrics"]["link_requests"] == 0
