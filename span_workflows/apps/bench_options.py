@@ -60,6 +60,9 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                              "(256-512) (default: short,long)")
     parser.add_argument("--no-ttft", action="store_true",
                         help="quality: answers only, no span-hit TTFT columns")
+    parser.add_argument("--perplexity", type=int, default=0,
+                        help="quality: also the model's perplexity on this many held-out "
+                             "standard-library passages (default: 0, not measured)")
     parser.add_argument("--merge-json", type=Path, default=None,
                         help="quality: keep the rows of other models from this JSON file "
                              "(the same path as --json to grow one table)")

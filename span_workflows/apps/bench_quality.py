@@ -13,6 +13,9 @@ paragraph, 65–85 tokens; ``long``: 256–512 tokens, what a RAG chunker return
 * ``kl_first_token`` — mean KL divergence of the first generated token's distribution from
   stock's (top-20 log-probabilities; tokens missing from a top-20 get its smallest value);
   ``kl_vs_layout`` — the same against full attention over the variant's own token layout;
+* ``perplexity`` (with ``--perplexity N``) — the model's perplexity on N held-out passages of
+  standard-library documentation (:mod:`span_workflows.apps.perplexity`), the same for every
+  row of one model: what fine-tuning cost outside RAG;
 * ``ttft_hit_s`` / ``speedup_hit`` / ``steps_hit`` — TTFT and engine steps of a span-cache hit
   at 16 documents × 440 tokens of a *new combination* of cached documents (each cached by an
   earlier query, never this set: what a retriever asks), and stock's TTFT on the same prompt
@@ -427,6 +430,7 @@ def run_quality(args: Any) -> int:
         raise SpanQueryError("--questions", "must be at least 1")
     store = AnswerStore(args.answers)
     engine = Engine(args.model, kv_cache_gib=4, progress=True)
+    engine_dir = engine.model_dir
     try:
         rows = bench_quality(engine, names, args.docs or [4, 8], args.questions,
                              seed=args.seed, reps=args.reps, store=store,
@@ -434,6 +438,12 @@ def run_quality(args: Any) -> int:
                              ttft_docs=0 if args.no_ttft else 16)
     finally:
         engine.close()
+    if args.perplexity > 0:  # did tuning make the model forget plain text?
+        from span_workflows.apps.perplexity import heldout_passages, perplexity
+
+        value = perplexity(engine_dir, heldout_passages(args.perplexity))
+        for row in rows:
+            row["perplexity"] = value
     if args.merge_json and args.merge_json.exists():  # rows of other models, kept
         previous = json.loads(args.merge_json.read_text())
         ours = {(r["model"], r["size"], r["n_docs"], r["variant"]) for r in rows}

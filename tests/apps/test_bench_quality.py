@@ -191,3 +191,21 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
                              sizes=sizes)
     assert counting.answering_calls == 0  # every answer came from the file
     assert [r["accuracy"] for r in again] == [r["accuracy"] for r in rows]
+
+
+def test_perplexity_of_held_out_text_is_finite_and_names_the_standard_library(
+        tokenizer) -> None:
+    from span_workflows.apps.perplexity import heldout_passages, perplexity
+    from span_workflows.model import resolve_model
+
+    passages = heldout_passages(3)
+    assert len(passages) == 3 and len(set(passages)) == 3
+    value = perplexity(resolve_model(progress=False), passages, max_tokens=64)
+    assert 1.0 < value < 200.0
+    # the same words in a random order score far worse
+    import random
+
+    words = " ".join(passages).split()
+    random.Random(0).shuffle(words)
+    shuffled = [" ".join(words[i::3]) for i in range(3)]
+    assert perplexity(resolve_model(progress=False), shuffled, max_tokens=64) > 2 * value
