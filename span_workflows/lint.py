@@ -6,15 +6,16 @@ answers. :func:`lint` looks for the evidence two ways:
 
 * **static checks** (no model, :mod:`span_workflows.lint_rules`): numbering and sequence words
   across siblings, references to another part, sentences, tables and lists cut at a span
-  boundary, the turns of a conversation, tool results of different turns; and plusses that do
+  boundary, the turns of a conversation, tool results of different turns; and pluses that do
   nothing (one child, duplicates, greedy copies).
 * **the order check** (with a ``backend``, e.g. :class:`~span_workflows.engine.Engine`): each
-  plus's query runs in *stock* mode (a plain chat prompt that keeps the order given), greedily,
-  under ``trials`` orders of the plus's children — the given order, reversed, then random
-  ones — and, as a *control* the user cannot get wrong, under ``trials`` versions with the
-  children's order fixed and only their whitespace varied (a doubled space, a trailing
-  newline). All of one plus's runs go to the engine in one ``execute_many`` call. Two figures
-  each, for the orders and for the control:
+  plus's query runs in *stock* mode (a plain chat prompt that keeps the order given),
+  greedily (every G at temperature 0 and at most ``answer_tokens`` tokens, the answer
+  stopping after its first sentence), under ``trials`` orders of the plus's children — the
+  given order, reversed, then random ones — and, as a *control* the user cannot get wrong,
+  under ``trials`` versions with the children's order fixed and only their whitespace varied
+  (a doubled space, a trailing newline). All of one plus's runs go to the engine in one
+  ``execute_many`` call. Two figures each, for the orders and for the control:
 
   - the **answer agreement**: the share of pairs of runs whose answers agree. Greedy answers
     of a small model rephrase, so two answers agree when the words of their first sentences
@@ -61,10 +62,12 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.ir import (
     Assistant,
     Chat,
+    Cross,
     Fragment,
     Generate,
     Map,
     Node,
+    Plus,
     Repeat,
     System,
     User,
@@ -395,8 +398,16 @@ def child_orders(n: int, trials: int, rng: random.Random) -> list[tuple[int, ...
     return orders
 
 
+#: Where the order check's answers stop: the end of their first sentence or line (what
+#: :func:`answer_words` compares).
+ANSWER_STOPS = ("\n", ". ", "? ", "! ")
+
+
 def greedy(query: Node, answer_tokens: int) -> Node:
-    """``query`` with every generation greedy (temperature 0) and cut at ``answer_tokens``."""
+    """``query`` with every generation greedy (temperature 0) and cut at ``answer_tokens``;
+    the answers of the top generations (not those nested in them, whose whole output the
+    outer one reads) also stop after their first sentence (:data:`ANSWER_STOPS`) unless
+    their output is constrained (a JSON schema, tools)."""
     def cap(max_tokens: int) -> int:
         return answer_tokens if max_tokens == 0 else min(max_tokens, answer_tokens)
 
@@ -405,7 +416,20 @@ def greedy(query: Node, answer_tokens: int) -> Node:
             return dataclasses.replace(node, temperature=0.0, max_tokens=cap(node.max_tokens))
         return node
 
-    return rewrite_bottom_up(query, rule)
+    def stop_early(node: Node) -> Node:
+        sampling = node.sampling
+        if sampling.json_schema is not None or sampling.tools:
+            return node
+        stops = tuple(dict.fromkeys((*sampling.stop, *ANSWER_STOPS)))
+        return dataclasses.replace(node, sampling=dataclasses.replace(sampling, stop=stops))
+
+    capped = rewrite_bottom_up(query, rule)
+    if isinstance(capped, Generate):
+        return stop_early(capped)
+    if isinstance(capped, (Plus, Cross)):
+        return dataclasses.replace(capped, children=tuple(
+            stop_early(c) if isinstance(c, Generate) else c for c in capped.children))
+    return capped
 
 
 _MESSAGES = (System, User, Assistant, Fragment)
@@ -535,8 +559,9 @@ def checker_for(func: Callable[..., Any]) -> FirstCallCheck:
 
 
 __all__ = [
-    "AGREEMENT_JACCARD", "DEFAULT_ANSWER_TOKENS", "DEFAULT_MARGIN", "DEFAULT_TRIALS", "KL_FACTOR",
-    "KL_MIN", "TOP_LOGPROBS", "CommutativityWarning", "FirstCallCheck", "LintReport",
-    "OrderCheck", "OrderRunner", "PlusReport", "agreement", "answer_words", "answers_agree",
-    "checker_for", "child_orders", "greedy", "lint", "order_check", "respace", "respaced",
+    "AGREEMENT_JACCARD", "ANSWER_STOPS", "DEFAULT_ANSWER_TOKENS", "DEFAULT_MARGIN",
+    "DEFAULT_TRIALS", "KL_FACTOR", "KL_MIN", "TOP_LOGPROBS", "CommutativityWarning",
+    "FirstCallCheck", "LintReport", "OrderCheck", "OrderRunner", "PlusReport", "agreement",
+    "answer_words", "answers_agree", "checker_for", "child_orders", "greedy", "lint",
+    "order_check", "respace", "respaced",
 ]

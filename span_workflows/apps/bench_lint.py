@@ -20,7 +20,14 @@ from typing import Any
 
 from span_workflows.apps.lint_set import LabelledPlus, labelled_set
 from span_workflows.apps.report import wilson
-from span_workflows.lint import DEFAULT_ANSWER_TOKENS, DEFAULT_MARGIN, PlusReport, lint
+from span_workflows.lint import (
+    DEFAULT_ANSWER_TOKENS,
+    DEFAULT_MARGIN,
+    KL_FACTOR,
+    KL_MIN,
+    PlusReport,
+    lint,
+)
 
 
 def _plus(case: LabelledPlus, pluses: Sequence[PlusReport]) -> PlusReport:
@@ -30,15 +37,53 @@ def _plus(case: LabelledPlus, pluses: Sequence[PlusReport]) -> PlusReport:
     raise AssertionError(f"{case.name}: no plus at {case.path}")
 
 
+class RowStore:
+    """Finished rows in a JSON file, so that a run that stops resumes where it stopped. Rows
+    are keyed by case, settings, the verdict rule and the model."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.rows: dict[str, dict[str, Any]] = {}
+        if path is not None and path.exists():
+            try:
+                self.rows = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                from span_workflows.errors import SpanQueryError
+
+                raise SpanQueryError("--answers", f"{path} is not a lint rows file ({exc})"
+                                     ) from None
+
+    @staticmethod
+    def key(case: str, trials: int, seed: int, answer_tokens: int, margin: float,
+            model: str) -> str:
+        """The entry of one case's row."""
+        return (f"{case}|trials={trials}|seed={seed}|tokens={answer_tokens}|margin={margin}|"
+                f"kl={KL_FACTOR},{KL_MIN}|model={model}")
+
+    def put(self, key: str, row: dict[str, Any]) -> None:
+        """Keep (and, with a path, save) a row."""
+        self.rows[key] = row
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(self.rows, ensure_ascii=False))
+
+
 def bench_lint(engine: Any, cases: Sequence[LabelledPlus], *, trials: int = 3,
                answer_tokens: int = DEFAULT_ANSWER_TOKENS, margin: float = DEFAULT_MARGIN,
-               seed: int = 0, progress: bool = True) -> list[dict[str, Any]]:
+               seed: int = 0, progress: bool = True, store: RowStore | None = None
+               ) -> list[dict[str, Any]]:
     """One row per case: its label, the static verdict, the verdict with the order check and
-    the order check's figures."""
+    the order check's figures. Rows found in ``store`` are not run again."""
     from tqdm.auto import tqdm
 
+    store = store or RowStore(None)
+    model = str(getattr(engine, "model_name", "model"))
     rows = []
     for case in tqdm(cases, desc="lint", unit="plus", disable=not progress):
+        key = store.key(case.name, trials, seed, answer_tokens, margin, model)
+        if key in store.rows:
+            rows.append(store.rows[key])
+            continue
         started = time.perf_counter()
         static = _plus(case, lint(case.query).pluses)
         static_s = time.perf_counter() - started
@@ -62,6 +107,7 @@ def bench_lint(engine: Any, cases: Sequence[LabelledPlus], *, trials: int = 3,
             "control_answers": list(check.control_answers) if check else [],
             "check_s": check.seconds if check else 0.0, "static_s": static_s,
         })
+        store.put(key, rows[-1])
     return rows
 
 
@@ -172,9 +218,10 @@ def run_lint_bench(args: Any) -> int:
 
         raise SpanQueryError("--trials", "must be at least 2")
     cases = labelled_set()
+    store = RowStore(args.answers)
     engine = Engine(args.model, progress=True)
     try:
-        rows = bench_lint(engine, cases, trials=trials, seed=args.seed)
+        rows = bench_lint(engine, cases, trials=trials, seed=args.seed, store=store)
         model = getattr(engine, "model_name", "model")
     finally:
         engine.close()
@@ -195,4 +242,4 @@ def run_lint_bench(args: Any) -> int:
     return 0
 
 
-__all__ = ["bench_lint", "markdown", "plot_lint", "run_lint_bench", "summary"]
+__all__ = ["RowStore", "bench_lint", "markdown", "plot_lint", "run_lint_bench", "summary"]

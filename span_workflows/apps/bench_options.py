@@ -57,7 +57,8 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                         help="quality: question-set seed; lint: seed of the random orders "
                              "(default: 0)")
     parser.add_argument("--answers", type=Path,
-                        help="quality: keep answers here and resume from them")
+                        help="quality, lint: keep answers (lint: rows) here and resume "
+                             "from them")
     parser.add_argument("--sizes", type=_names, default=None,
                         help="quality: document sizes, short (65-85 tokens) and/or long "
                              "(256-512) (default: short,long)")

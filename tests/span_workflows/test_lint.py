@@ -113,6 +113,8 @@ def test_greedy_caps_every_generation() -> None:
           max_tokens=200, temperature=0.7)
     gens = [n for n in iter_nodes(greedy(q, 24)) if isinstance(n, Generate)]
     assert [(x.temperature, x.max_tokens) for x in gens] == [(0.0, 24), (0.0, 24)]
+    # the answer stops after its first sentence; the draft the judge reads does not
+    assert "\n" in gens[0].sampling.stop and gens[1].sampling.stop == ()
 
 
 def test_one_call_per_plus_in_stock_mode_orders_then_controls() -> None:
