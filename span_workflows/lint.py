@@ -27,18 +27,22 @@ answers. :func:`lint` looks for the evidence two ways:
 
   The control measures how much the model moves for nothing. A plus is **order-sensitive**
   when its answers agree clearly less often than the control's — by at least ``margin``
-  (default 0.5 of the pairs) — while its first-token KL is at least the control's; or when the
-  first-token KL alone moves clearly more than the control's: at least :data:`KL_FACTOR`
-  times it and at least :data:`KL_MIN` nat. So model noise is not called order dependence;
+  (default 0.5 of the pairs) — while its first-token KL is at least the control's; or when
+  some orders do give other answers and the first-token KL moves clearly more than the
+  control's: at least :data:`KL_FACTOR` times it and at least :data:`KL_MIN` nat (when every
+  order gives the same answer, the first token's distribution alone is no evidence). So model noise is not called order dependence;
   the report says by how much each figure moved.
 
 Verdict of a plus (:attr:`PlusReport.verdict`):
 
-* ``flagged`` — an ``error`` finding, or the order check found it order-sensitive (the
-  finding ``order-sensitive`` says by how much);
-* ``warning`` — only ``warning`` findings, and no order check ran (with one, a warning is
-  confirmed — ``flagged`` — or cleared — ``clean``);
-* ``clean`` — nothing but notes.
+* ``flagged`` — an ``error`` finding of the static checks; or a static ``warning`` that the
+  order check *confirms* (the finding ``order-sensitive``, an error, says by how much);
+* ``warning`` — static warnings and no order check ran; or no static evidence at all but the
+  order check found the plus order-sensitive (the finding ``order-sensitive`` is then a
+  warning: on a small model, reordering documents that do commute moves the answers too — its
+  position bias, which no whitespace control can show — so the model's sensitivity alone is
+  reported, not flagged);
+* ``clean`` — nothing but notes, or static warnings the order check *cleared*.
 
 A plus the order check cannot reorder is not run: a repeat (copies of one G), a plus of one
 child, and a plus at the top of the query (independent generations, none reads another).
@@ -84,6 +88,8 @@ from span_workflows.lint_rules import (
 from span_workflows.logprobs import kl_top
 from span_workflows.validate import validate
 
+#: The rule name of the order check's finding.
+ORDER_RULE = "order-sensitive"
 #: Top log-probabilities read for the first answer token.
 TOP_LOGPROBS = 20
 #: How far below the control's the answer agreement across orders must fall (a share of pairs).
@@ -144,10 +150,11 @@ class OrderCheck:
 
     @property
     def first_token_moved(self) -> bool:
-        """The first-token KL across orders is at least :data:`KL_FACTOR` times the
-        control's and at least :data:`KL_MIN`."""
+        """Some orders give other answers, and the first-token KL across orders is at least
+        :data:`KL_FACTOR` times the control's and at least :data:`KL_MIN`."""
         kl = _zero(self.kl)
-        return kl >= KL_MIN and kl >= KL_FACTOR * _zero(self.control_kl)
+        return (self.agreement < 1.0 - 1e-9 and kl >= KL_MIN
+                and kl >= KL_FACTOR * _zero(self.control_kl))
 
     @property
     def order_sensitive(self) -> bool:
@@ -164,6 +171,20 @@ class OrderCheck:
                 f"{_share(self.control_agreement, self.controls)} of whitespace controls "
                 f"({points:+d} points); first-token KL {_nat(self.kl)} vs "
                 f"{_nat(self.control_kl)}{times}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], margin: float | None = None) -> OrderCheck:
+        """The inverse of :meth:`to_dict` (what is derived is computed again, at ``margin``
+        when given)."""
+        def number(key: str) -> float:
+            value = data.get(key)
+            return float("nan") if value is None else float(value)
+
+        return cls(int(data["orders"]), int(data["controls"]), float(data["agreement"]),
+                   float(data["control_agreement"]), number("kl"), number("control_kl"),
+                   float(data["margin"] if margin is None else margin),
+                   tuple(data["answers"]), tuple(data["control_answers"]),
+                   float(data["seconds"]))
 
     def to_dict(self) -> dict[str, Any]:
         """The check as JSON-ready fields."""
@@ -189,26 +210,43 @@ class PlusReport:
     #: why no order check ran when one was asked for ("" otherwise)
     skipped: str = ""
 
+    def _static(self, severity: str) -> bool:
+        return any(f.severity == severity and f.rule != ORDER_RULE for f in self.findings)
+
     @property
     def confirmed(self) -> bool:
-        """Whether the order check ran and found the plus order-sensitive."""
-        return self.check is not None and self.check.order_sensitive
+        """Whether the order check found the plus order-sensitive and so confirmed a static
+        warning."""
+        return (self.check is not None and self.check.order_sensitive
+                and self._static("warning"))
+
+    @property
+    def cleared(self) -> bool:
+        """Whether the order check cleared this plus's static warnings."""
+        return (self.check is not None and not self.check.order_sensitive
+                and self._static("warning"))
 
     @property
     def verdict(self) -> str:
         """``flagged``, ``warning`` or ``clean`` (see the module docstring)."""
-        severities = {f.severity for f in self.findings}
-        if "error" in severities or self.confirmed:
+        if self._static("error") or self.confirmed:
             return "flagged"
-        if "warning" in severities and self.check is None:
-            return "warning"
-        return "clean"
+        if self.check is None:
+            return "warning" if self._static("warning") else "clean"
+        return "warning" if self.check.order_sensitive else "clean"
 
-    @property
-    def cleared(self) -> bool:
-        """Whether the order check cleared this plus's warnings."""
-        return (self.check is not None and not self.confirmed
-                and any(f.severity == "warning" for f in self.findings))
+    def attach(self, check: OrderCheck) -> None:
+        """Record the order check; when it finds the plus order-sensitive, add the finding
+        ``order-sensitive`` first: an error when it confirms a static warning, else a
+        warning."""
+        self.check = check
+        self.findings = [f for f in self.findings if f.rule != ORDER_RULE]
+        if check.order_sensitive:
+            severity = "error" if self._static("warning") else "warning"
+            evidence = check.summary()
+            if severity == "warning":
+                evidence += " — no static evidence: the model's answer moves with the order"
+            self.findings.insert(0, Finding(ORDER_RULE, severity, self.path, evidence))
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready fields."""
@@ -287,12 +325,9 @@ def lint(query: Node | str | bytes | Mapping[str, Any], backend: OrderRunner | N
             if reason:
                 report.skipped = reason
             else:
-                report.check = order_check(node, site, backend, trials=trials,
-                                           answer_tokens=answer_tokens, margin=margin,
-                                           seed=seed)
-                if report.check.order_sensitive:
-                    report.findings.insert(0, Finding("order-sensitive", "error", site.path,
-                                                      report.check.summary()))
+                report.attach(order_check(node, site, backend, trials=trials,
+                                          answer_tokens=answer_tokens, margin=margin,
+                                          seed=seed))
         if bar is not None:
             bar.update(1)
         reports.append(report)
@@ -560,7 +595,7 @@ def checker_for(func: Callable[..., Any]) -> FirstCallCheck:
 
 __all__ = [
     "AGREEMENT_JACCARD", "ANSWER_STOPS", "DEFAULT_ANSWER_TOKENS", "DEFAULT_MARGIN",
-    "DEFAULT_TRIALS", "KL_FACTOR", "KL_MIN", "TOP_LOGPROBS", "CommutativityWarning",
+    "DEFAULT_TRIALS", "KL_FACTOR", "KL_MIN", "ORDER_RULE", "TOP_LOGPROBS", "CommutativityWarning",
     "FirstCallCheck", "LintReport", "OrderCheck", "OrderRunner", "PlusReport", "agreement",
     "answer_words", "answers_agree", "checker_for", "child_orders", "greedy", "lint",
     "order_check", "respace", "respaced",

@@ -30,6 +30,12 @@ rule                   severity  evidence
 ``sequence-opener``    error     two or more children open with a sequence word (``First,``,
                                  ``Then``, ``Finally``, ``The next morning``)
                        warning   one child does
+``connective-opener``  warning   a child opens with a connective (``Actually,``, ``But``,
+                                 ``So``, ``Also``, ``However``): it answers or continues
+                                 something before it
+``instructions``       warning   two or more children (half of them at least) open with an
+                                 instruction verb (``Pour …``, ``Heat …``, ``Stir …``): the
+                                 steps of a procedure are usually ordered
 ``continuation``       error     continuation markers: ``(continued)``, ``cont'd``,
                                  ``continued from the previous …``, ``to be continued``
 ``back-reference``     warning   ``as above``, ``the previous message``, ``the next step``,
@@ -241,6 +247,8 @@ def check_site(site: PlusSite) -> list[Finding]:
         texts = site.texts
         found += _numbering(site, texts)
         found += _openers(site, texts)
+        found += _connectives(site, texts)
+        found += _instructions(site, texts)
         found += _continuations(site, texts)
         found += _back_references(site, texts)
         found += _sentence_cuts(site, texts)
@@ -462,6 +470,40 @@ def _openers(site: PlusSite, texts: Sequence[str]) -> list[Finding]:
     i, word = openers[0]
     return [Finding("sequence-opener", "warning", site.child_paths[i],
                     f"opens with «{word}»: it follows something")]
+
+
+CONNECTIVE = re.compile(
+    r"^\s*(?P<word>actually|anyway|also|besides|but|and|so|however|therefore|instead|"
+    r"otherwise|in that case|by the way)\b(?!-)", re.I)
+#: Verbs that open an instruction (the imperative of a step of a procedure).
+INSTRUCTION_VERBS = frozenset(
+    "add adjust apply attach bake beat blend boil bring brush check chop clean click close "
+    "combine connect cook cool cover cut dig drain drop dry enter fill fold fry grate heat "
+    "hold insert install knead lay leave let lift mix move open peel place plug pour preheat "
+    "press pull push put remove repeat replace restart rinse roll run save scroll season "
+    "select serve set shake simmer slice soak spread sprinkle start stir switch take tap "
+    "tighten tie turn type unplug unscrew update upload wait warm wash water whisk wipe "
+    "wrap".split())
+
+
+def _connectives(site: PlusSite, texts: Sequence[str]) -> list[Finding]:
+    return [Finding("connective-opener", "warning", site.child_paths[i],
+                    f"opens with «{m.group('word')}»: it answers or continues what comes "
+                    "before it")
+            for i, t in enumerate(texts)
+            if (m := CONNECTIVE.match(t)) and m.group("word")[0].isupper()]
+
+
+def _instructions(site: PlusSite, texts: Sequence[str]) -> list[Finding]:
+    steps = [(i, words[0]) for i, t in enumerate(texts)
+             if (words := t.split()) and words[0].lower() in INSTRUCTION_VERBS
+             and words[0][0].isupper()]
+    if len(steps) < 2 or 2 * len(steps) < len(texts):
+        return []
+    shown = ", ".join(f"«{word} …» ({site.child_paths[i]})" for i, word in steps[:4])
+    return [Finding("instructions", "warning", site.path,
+                    f"children are instructions: {shown}; the steps of a procedure are "
+                    "usually ordered")]
 
 
 # -- continuations and references -------------------------------------------------------------

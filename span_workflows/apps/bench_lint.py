@@ -25,6 +25,7 @@ from span_workflows.lint import (
     DEFAULT_MARGIN,
     KL_FACTOR,
     KL_MIN,
+    OrderCheck,
     PlusReport,
     lint,
 )
@@ -37,90 +38,102 @@ def _plus(case: LabelledPlus, pluses: Sequence[PlusReport]) -> PlusReport:
     raise AssertionError(f"{case.name}: no plus at {case.path}")
 
 
-class RowStore:
-    """Finished rows in a JSON file, so that a run that stops resumes where it stopped. Rows
-    are keyed by case, settings, the verdict rule and the model."""
+class CheckStore:
+    """The order checks of finished cases in a JSON file, so that a run that stops resumes
+    where it stopped (and a change of the static rules or of the verdict's thresholds is
+    measured again without the engine). Checks are keyed by case, settings and model."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.rows: dict[str, dict[str, Any]] = {}
+        self.checks: dict[str, dict[str, Any]] = {}
         if path is not None and path.exists():
             try:
-                self.rows = json.loads(path.read_text())
+                self.checks = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 from span_workflows.errors import SpanQueryError
 
-                raise SpanQueryError("--answers", f"{path} is not a lint rows file ({exc})"
-                                     ) from None
+                raise SpanQueryError("--answers", f"{path} is not a file of order checks "
+                                                  f"({exc})") from None
 
     @staticmethod
-    def key(case: str, trials: int, seed: int, answer_tokens: int, margin: float,
-            model: str) -> str:
-        """The entry of one case's row."""
-        return (f"{case}|trials={trials}|seed={seed}|tokens={answer_tokens}|margin={margin}|"
-                f"kl={KL_FACTOR},{KL_MIN}|model={model}")
+    def key(case: str, trials: int, seed: int, answer_tokens: int, model: str) -> str:
+        """The entry of one case's order check."""
+        return f"{case}|trials={trials}|seed={seed}|tokens={answer_tokens}|model={model}"
 
-    def put(self, key: str, row: dict[str, Any]) -> None:
-        """Keep (and, with a path, save) a row."""
-        self.rows[key] = row
+    def get(self, key: str, margin: float) -> OrderCheck | None:
+        """The stored check of ``key`` (its verdict at ``margin``), if any."""
+        data = self.checks.get(key)
+        return None if data is None else OrderCheck.from_dict(data, margin)
+
+    def put(self, key: str, check: OrderCheck) -> None:
+        """Keep (and, with a path, save) a check."""
+        self.checks[key] = check.to_dict()
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.rows, ensure_ascii=False))
+            self.path.write_text(json.dumps(self.checks, ensure_ascii=False, indent=1) + "\n")
 
 
 def bench_lint(engine: Any, cases: Sequence[LabelledPlus], *, trials: int = 3,
                answer_tokens: int = DEFAULT_ANSWER_TOKENS, margin: float = DEFAULT_MARGIN,
-               seed: int = 0, progress: bool = True, store: RowStore | None = None
-               ) -> list[dict[str, Any]]:
+               seed: int = 0, progress: bool = True, store: CheckStore | None = None,
+               model: str | None = None) -> list[dict[str, Any]]:
     """One row per case: its label, the static verdict, the verdict with the order check and
-    the order check's figures. Rows found in ``store`` are not run again."""
+    the order check's figures. Checks found in ``store`` (under ``model``, by default the
+    engine's) are not run again; ``engine`` may be ``None`` when all are there."""
     from tqdm.auto import tqdm
 
-    store = store or RowStore(None)
-    model = str(getattr(engine, "model_name", "model"))
+    store = store or CheckStore(None)
+    model = model or str(getattr(engine, "model_name", "model"))
     rows = []
     for case in tqdm(cases, desc="lint", unit="plus", disable=not progress):
-        key = store.key(case.name, trials, seed, answer_tokens, margin, model)
-        if key in store.rows:
-            rows.append(store.rows[key])
-            continue
         started = time.perf_counter()
         static = _plus(case, lint(case.query).pluses)
         static_s = time.perf_counter() - started
-        full = _plus(case, lint(case.query, engine, trials=trials, answer_tokens=answer_tokens,
-                                margin=margin, seed=seed).pluses)
-        check = full.check
+        key = store.key(case.name, trials, seed, answer_tokens, model)
+        check = store.get(key, margin)
+        if check is None:
+            if engine is None:
+                raise ValueError(f"no stored order check for {key!r} and no engine")
+            ran = _plus(case, lint(case.query, engine, trials=trials,
+                                   answer_tokens=answer_tokens, margin=margin,
+                                   seed=seed).pluses)
+            assert ran.check is not None, case.name
+            check = ran.check
+            store.put(key, check)
+        full = PlusReport(static.path, static.kind, static.children, list(static.findings))
+        full.attach(check)
         rows.append({
             "name": case.name, "kind": case.kind, "commutes": case.commutes,
-            "path": case.path, "static_verdict": static.verdict, "verdict": full.verdict,
+            "held_out": case.held_out, "path": case.path,
+            "static_verdict": static.verdict, "verdict": full.verdict,
             "flagged_static": static.verdict == "flagged",
             "flagged": full.verdict == "flagged",
             "rules": sorted({f"{f.severity}:{f.rule}" for f in static.findings}),
-            "orders": check.orders if check else 0,
-            "agreement": check.agreement if check else None,
-            "control_agreement": check.control_agreement if check else None,
-            "drop": check.drop if check else None,
-            "kl": check.to_dict()["kl"] if check else None,
-            "control_kl": check.to_dict()["control_kl"] if check else None,
-            "order_sensitive": check.order_sensitive if check else None,
-            "answers": list(check.answers) if check else [],
-            "control_answers": list(check.control_answers) if check else [],
-            "check_s": check.seconds if check else 0.0, "static_s": static_s,
+            "orders": check.orders, "agreement": check.agreement,
+            "control_agreement": check.control_agreement, "drop": check.drop,
+            "kl": check.to_dict()["kl"], "control_kl": check.to_dict()["control_kl"],
+            "order_sensitive": check.order_sensitive,
+            "answers": list(check.answers), "control_answers": list(check.control_answers),
+            "check_s": check.seconds, "static_s": static_s,
         })
-        store.put(key, rows[-1])
     return rows
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Flag rates by label, then by kind: static alone and static + order check, with 95 %
-    Wilson intervals, and the time per plus."""
+    """Flag rates by label, then by kind, then by label on the held-out cases: static alone
+    and static + order check, with 95 % Wilson intervals, and the time per plus."""
+    main = [r for r in rows if not r.get("held_out")]
+    held = [r for r in rows if r.get("held_out")]
     groups: list[tuple[str, str, list[dict[str, Any]]]] = []
     for label, commutes in (("commuting", True), ("order-dependent", False)):
-        groups.append((label, "all", [r for r in rows if r["commutes"] is commutes]))
-    for kind in dict.fromkeys(r["kind"] for r in rows):
-        picked = [r for r in rows if r["kind"] == kind]
+        groups.append((label, "all", [r for r in main if r["commutes"] is commutes]))
+    for kind in dict.fromkeys(r["kind"] for r in main):
+        picked = [r for r in main if r["kind"] == kind]
         groups.append(("commuting" if picked[0]["commutes"] else "order-dependent", kind,
                        picked))
+    for label, commutes in (("commuting", True), ("order-dependent", False)):
+        groups.append((f"{label} (held out)", "all",
+                       [r for r in held if r["commutes"] is commutes]))
     out = []
     for label, kind, picked in groups:
         if not picked:
@@ -132,8 +145,12 @@ def summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "label": label, "kind": kind, "pluses": n,
             "flagged_static": static / n, "flagged": both / n, "ci_low": low, "ci_high": high,
             "by_order_check": sum(r["flagged"] and not r["flagged_static"] for r in picked),
-            "cleared": sum(r["static_verdict"] == "warning" and not r["flagged"]
+            "cleared": sum(r["static_verdict"] == "warning" and r["verdict"] == "clean"
                            for r in picked),
+            "order_sensitive": sum(bool(r["order_sensitive"]) for r in picked) / n,
+            "sensitive_without_evidence": sum(bool(r["order_sensitive"])
+                                              and r["static_verdict"] == "clean"
+                                              for r in picked),
             "check_s_per_plus": statistics.fmean(r["check_s"] for r in picked),
             "static_ms_per_plus": 1000 * statistics.fmean(r["static_s"] for r in picked),
         })
@@ -154,14 +171,15 @@ def markdown(result: dict[str, Any]) -> str:
         f"controls per plus, greedy, {s['answer_tokens']} answer tokens, margin "
         f"{s['margin']}.", "",
         "| label | kind | pluses | flagged (static) | flagged (static + order check) | "
-        "95 % CI | by the order check | warnings cleared | order check s / plus | "
-        "static ms / plus |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "95 % CI | confirmed by the order check | warnings cleared | order-sensitive on the "
+        "model | of them without static evidence | order check s / plus | static ms / plus |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["summary"]:
         lines.append(
             f"| {r['label']} | {r['kind']} | {r['pluses']} | {pct(r['flagged_static'])} | "
             f"**{pct(r['flagged'])}** | {pct(r['ci_low'])}–{pct(r['ci_high'])} | "
-            f"{r['by_order_check']} | {r['cleared']} | {r['check_s_per_plus']:.2f} | "
+            f"{r['by_order_check']} | {r['cleared']} | {pct(r['order_sensitive'])} | "
+            f"{r['sensitive_without_evidence']} | {r['check_s_per_plus']:.2f} | "
             f"{r['static_ms_per_plus']:.2f} |")
     lines += ["", "| case | kind | label | static | with order check | rules | agreement "
                   "(orders / control) | first-token KL (orders / control) |",
@@ -170,8 +188,9 @@ def markdown(result: dict[str, Any]) -> str:
         agree = ("–" if r["agreement"] is None
                  else f"{num(r['agreement'])} / {num(r['control_agreement'])}")
         kl = "–" if r["agreement"] is None else f"{num(r['kl'], 3)} / {num(r['control_kl'], 3)}"
+        held = " (held out)" if r.get("held_out") else ""
         lines.append(
-            f"| {r['name']} | {r['kind']} | {'commutes' if r['commutes'] else 'ordered'} | "
+            f"| {r['name']} | {r['kind']} | {'commutes' if r['commutes'] else 'ordered'}{held} | "
             f"{r['static_verdict']} | {r['verdict']} | {', '.join(r['rules']) or '–'} | "
             f"{agree} | {kl} |")
     return "\n".join(lines) + "\n"
@@ -184,8 +203,9 @@ def plot_lint(summary_rows: Sequence[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    kinds = [r for r in summary_rows if r["kind"] != "all"]
-    labels = [f"{r['kind']}\n({r['label']}, {r['pluses']})" for r in kinds]
+    kinds = [r for r in summary_rows if r["kind"] != "all" or "held out" in r["label"]]
+    labels = [f"{r['kind'] if r['kind'] != 'all' else 'held out'}\n"
+              f"({r['label'].replace(' (held out)', '')}, {r['pluses']})" for r in kinds]
     xs = range(len(kinds))
     fig, ax = plt.subplots(figsize=(9.6, 4.4))
     width = 0.38
@@ -217,18 +237,26 @@ def run_lint_bench(args: Any) -> int:
         from span_workflows.errors import SpanQueryError
 
         raise SpanQueryError("--trials", "must be at least 2")
-    cases = labelled_set()
-    store = RowStore(args.answers)
-    engine = Engine(args.model, progress=True)
+    from span_workflows.model import DEFAULT_MODEL_NAME
+
+    cases = labelled_set(held_out=True)
+    store = CheckStore(args.answers)
+    model = DEFAULT_MODEL_NAME if args.model is None else str(args.model)
+    missing = [c for c in cases if store.get(
+        store.key(c.name, trials, args.seed, DEFAULT_ANSWER_TOKENS, model), 0.5) is None]
+    engine = Engine(args.model, progress=True) if missing else None  # else all are stored
     try:
-        rows = bench_lint(engine, cases, trials=trials, seed=args.seed, store=store)
-        model = getattr(engine, "model_name", "model")
+        rows = bench_lint(engine, cases, trials=trials, seed=args.seed, store=store,
+                          model=model)
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
     command = f"span-workflows bench lint --trials {trials}"
+    if args.answers:
+        command += f" --answers {args.answers}"
     result = {"settings": {"command": command, "model": model, "trials": trials,
                            "answer_tokens": DEFAULT_ANSWER_TOKENS, "margin": DEFAULT_MARGIN,
-                           "seed": args.seed},
+                           "kl_factor": KL_FACTOR, "kl_min": KL_MIN, "seed": args.seed},
               "summary": summary(rows), "cases": rows}
     print_table([{k: v for k, v in r.items()} for r in result["summary"]])
     if args.json:
@@ -242,4 +270,4 @@ def run_lint_bench(args: Any) -> int:
     return 0
 
 
-__all__ = ["RowStore", "bench_lint", "markdown", "plot_lint", "run_lint_bench", "summary"]
+__all__ = ["CheckStore", "bench_lint", "markdown", "plot_lint", "run_lint_bench", "summary"]

@@ -12,6 +12,10 @@ says otherwise), written to read like what users send:
   them away (steps without numbers, a story told in plain sentences, a chat without speaker
   labels): only the order check can find those.
 
+A small *held-out* group (``labelled_set(held_out=True)``, ``LabelledPlus.held_out``) was
+written after the rules and the verdict's thresholds were fixed on the main set: its rates
+say how the rules fare on text they were not made on.
+
 The benchmark (``span-workflows bench lint``) runs the static checks and the order check on
 every case; the tests run the static checks on all and the order check on a few.
 """
@@ -45,6 +49,8 @@ class LabelledPlus:
     commutes: bool
     query: Node
     path: str = "input.cross[1]"
+    #: written after the rules and thresholds were fixed (a check of how they generalize)
+    held_out: bool = False
 
 
 def _qa(system_text: str, texts: list[str], question: str, *, as_drafts: bool = False) -> Node:
@@ -339,9 +345,96 @@ def _ordered() -> list[LabelledPlus]:
     return [LabelledPlus(c.name, c.kind, c.commutes, c.query, _path(c.query)) for c in cases]
 
 
-def labelled_set() -> list[LabelledPlus]:
-    """Every case: the commuting ones, then the order-dependent ones."""
-    return _commuting() + _ordered()
+def _held_out() -> list[LabelledPlus]:
+    """Cases written once the rules and the verdict's thresholds were fixed."""
+    r, d, t = COMMUTING_KINDS
+    s, st, dl, tb, _ = ORDERED_KINDS
+    cases = [
+        LabelledPlus("museum", r, True, _qa(RAG_SYSTEM, [
+            "The Moll Museum opens at ten on weekdays.",
+            "Tickets to the Moll Museum cost twelve euros for adults.",
+            "The café of the museum serves soup and cake.",
+        ], "How much is an adult ticket?")),
+        LabelledPlus("bolero", r, True, _qa(RAG_SYSTEM, [
+            "Ravel's Boléro was first performed in Paris in 1928.",
+            "The Paris Opera ballet premiered many works by Stravinsky.",
+            "Ida Rubinstein commissioned Boléro as a ballet.",
+        ], "When was Boléro first performed?")),
+        LabelledPlus("waterfalls", r, True, _qa(RAG_SYSTEM, [
+            "It is the tallest waterfall in Norway, at 860 metres.",
+            "Vinnufossen lies near Sunndalsøra in Møre og Romsdal.",
+            "Mardalsfossen was once used for hydropower.",
+        ], "How tall is the tallest waterfall in Norway?")),
+        LabelledPlus("recipes", r, True, _qa(RAG_SYSTEM, [
+            "Boil the pasta for nine minutes in salted water.",
+            "Bake the lasagne for forty minutes at 180 °C.",
+            "Grill the peppers until their skin turns black.",
+        ], "How long do you boil the pasta?")),
+        LabelledPlus("gym taglines", d, True, _qa(JUDGE_SYSTEM, [
+            "Stronger every day.",
+            "Your best workout starts here.",
+            "Lift, run, repeat.",
+        ], "What kind of business are these taglines for?", as_drafts=True)),
+        LabelledPlus("canberra", d, True, _qa(JUDGE_SYSTEM, [
+            "Canberra is the capital of Australia.",
+            "The capital is Canberra, not Sydney.",
+            "Australia's capital city is Canberra.",
+        ], "Which city do all the answers name?", as_drafts=True)),
+        LabelledPlus("exchange rates", t, True, _tools(
+            "Which is worth more in dollars, a euro or a pound?",
+            [("fx", {"from": "EUR", "to": "USD"}), ("fx", {"from": "GBP", "to": "USD"})],
+            [("fx", "1 EUR = 1.08 USD"), ("fx", "1 GBP = 1.27 USD")])),
+        LabelledPlus("danube", t, True, _tools(
+            "How long is the Danube, and how many countries does it cross?",
+            [("search", {"q": "Danube length"}), ("search", {"q": "Danube countries"})],
+            [("search", "The Danube is 2,850 km long."),
+             ("search", "The Danube flows through ten countries.")])),
+        LabelledPlus("privacy settings", s, False, _qa(STEPS_SYSTEM, [
+            "Open the app.",
+            "Tap Settings.",
+            "Choose Privacy and turn off location.",
+        ], "What do you tap after opening the app?")),
+        LabelledPlus("paper folding", s, False, _qa(STEPS_SYSTEM, [
+            "Step one: fold the paper in half.",
+            "Step two: fold the corners to the middle.",
+            "Step three: fold the edges down.",
+        ], "What is step two?")),
+        LabelledPlus("bakery day", st, False, _qa(STORY_SYSTEM, [
+            "The baker lit the oven before dawn.",
+            "By seven the first loaves were cooling on the rack.",
+            "At noon the shop had sold out.",
+        ], "What happened at the end?")),
+        LabelledPlus("lost keys", st, False, _qa(STORY_SYSTEM, [
+            "Ben lost his keys at the park.",
+            "Later that day, a dog brought them to his door.",
+        ], "What happened after Ben lost his keys?")),
+        LabelledPlus("meeting time", dl, False, _qa(RAG_SYSTEM, [
+            "Nina: Are we still meeting at six?",
+            "Omar: Can we make it seven?",
+            "Nina: Seven works.",
+        ], "When will they meet?")),
+        LabelledPlus("pharmacy", dl, False, _qa(RAG_SYSTEM, [
+            "Where is the nearest pharmacy?",
+            "Two blocks north, next to the bank.",
+            "Is it open on Sundays?",
+        ], "What was asked last?")),
+        LabelledPlus("moons", tb, False, _qa(RAG_SYSTEM, [
+            "| planet | moons |\n|---|---|\n| Earth | 1 |\n| Mars | 2 |",
+            "| Jupiter | 95 |",
+        ], "How many moons does Jupiter have?")),
+        LabelledPlus("library opening", st, False, _qa(RAG_SYSTEM, [
+            "The committee met on Tuesday and decided that the new library would",
+            "open in March, two months later than planned.",
+        ], "When will the library open?")),
+    ]
+    return [LabelledPlus(c.name, c.kind, c.commutes, c.query, _path(c.query), held_out=True)
+            for c in cases]
+
+
+def labelled_set(held_out: bool = False) -> list[LabelledPlus]:
+    """Every case: the commuting ones, then the order-dependent ones; with ``held_out``,
+    then the cases written after the rules were fixed."""
+    return _commuting() + _ordered() + (_held_out() if held_out else [])
 
 
 __all__ = ["COMMUTING_KINDS", "ORDERED_KINDS", "LabelledPlus", "labelled_set"]

@@ -40,12 +40,17 @@ def test_summary_counts_rates_by_label_and_kind() -> None:
     assert commuting["check_s_per_plus"] == 2.0 and commuting["static_ms_per_plus"] == 1.0
 
 
-def test_rows_are_kept_and_read_back(tmp_path: Path) -> None:
-    store = bl.RowStore(tmp_path / "rows.json")
-    key = store.key("a", 3, 0, 24, 0.5, "m")
-    store.put(key, ROWS[0])
-    assert bl.RowStore(tmp_path / "rows.json").rows == {key: ROWS[0]}
-    assert store.key("a", 4, 0, 24, 0.5, "m") != key
+def test_order_checks_are_kept_and_read_back_at_any_margin(tmp_path: Path) -> None:
+    from span_workflows.lint import OrderCheck
+
+    check = OrderCheck(3, 3, 0.4, 1.0, 0.01, 0.01, 0.5, ("a", "b", "c"), ("a",) * 3, 2.5)
+    store = bl.CheckStore(tmp_path / "checks.json")
+    key = store.key("a", 3, 0, 24, "m")
+    store.put(key, check)
+    again = bl.CheckStore(tmp_path / "checks.json")
+    assert again.get(key, 0.5) == check and again.get(key, 0.5).order_sensitive
+    assert not again.get(key, 0.7).order_sensitive  # the verdict is computed again
+    assert again.get(store.key("a", 4, 0, 24, "m"), 0.5) is None
 
 
 def test_markdown_and_plot(tmp_path: Path) -> None:

@@ -150,20 +150,34 @@ def _answering(by_first_text: dict[str, str], logprobs: dict[str, dict[int, floa
     return answer
 
 
-def test_answers_that_follow_the_order_flag_the_plus_and_say_by_how_much() -> None:
-    answers = {STEPS[0]: "Preheat the oven.", STEPS[1]: "Put the dough in a tin.",
-               STEPS[2]: "Bake it for an hour."}
-    report = lint(_rag(["Preheat the oven.", "Put the dough in a tin.", "Bake it."]),
-                  Recorder(_answering({"Preheat the oven.": answers[STEPS[0]],
-                                       "Put the dough in a tin.": answers[STEPS[1]],
-                                       "Bake it.": answers[STEPS[2]]},
-                                      control="Preheat the oven.")), trials=3)
+def test_answers_that_follow_the_order_confirm_a_warning_and_say_by_how_much() -> None:
+    texts = ["Preheat the oven.", "Put the dough in a tin.", "Bake it."]  # instructions
+    answers = {"Preheat the oven.": "Preheat the oven.", "Put the dough in a tin.":
+               "Put the dough in a tin.", "Bake it.": "Bake it for an hour."}
+    report = lint(_rag(texts), Recorder(_answering(answers, control="Preheat the oven.")),
+                  trials=3)
     [plus] = report.pluses
+    assert [f.rule for f in plus.findings] == ["order-sensitive", "instructions"]
     assert plus.check.agreement == 0.0 and plus.check.control_agreement == 1.0
-    assert plus.check.answers_moved and plus.verdict == "flagged" and report.exit_code == 1
-    assert plus.findings[0].rule == "order-sensitive"
+    assert plus.check.answers_moved and plus.confirmed
+    assert plus.verdict == "flagged" and report.exit_code == 1
+    assert plus.findings[0].severity == "error"
     assert "0/3 pairs of orders vs 3/3 of whitespace controls (-100 points)" in (
         plus.findings[0].evidence)
+
+
+def test_the_models_sensitivity_alone_is_a_warning_not_a_flag() -> None:
+    """Documents that commute move a small model's answer too (position bias): without
+    static evidence an order-sensitive plus is reported, not flagged."""
+    answers = dict(zip(DOCS, ("Ada Lind kept it.", "It was built in 1871.",
+                              "The foghorn sounds twice."), strict=True))
+    report = lint(_rag(DOCS), Recorder(_answering(answers, control="Ada Lind kept it.")),
+                  trials=3)
+    [plus] = report.pluses
+    assert plus.check.order_sensitive and not plus.confirmed
+    assert plus.verdict == "warning" and report.exit_code == 0
+    assert (plus.findings[0].rule, plus.findings[0].severity) == ("order-sensitive", "warning")
+    assert "no static evidence" in plus.findings[0].evidence
 
 
 def test_noise_the_control_shows_too_is_not_order_dependence() -> None:
@@ -175,14 +189,21 @@ def test_noise_the_control_shows_too_is_not_order_dependence() -> None:
     assert not plus.check.order_sensitive and plus.verdict == "clean"
 
 
-def test_a_first_token_that_moves_under_reordering_alone_flags() -> None:
+def test_the_first_token_is_evidence_only_when_some_answers_differ() -> None:
     sharp, flat = {1: math.log(0.9), 2: math.log(0.1)}, {1: math.log(0.2), 2: math.log(0.8)}
     logprobs = {DOCS[0]: sharp, DOCS[1]: flat, DOCS[2]: flat, "control": sharp}
     same = {d: "Ada Lind." for d in DOCS}
     report = lint(_rag(DOCS), Recorder(_answering(same, logprobs)), trials=3)
     check = report.pluses[0].check
     assert check.agreement == check.control_agreement == 1.0 and check.control_kl == 0.0
-    assert check.kl >= KL_MIN and check.first_token_moved and report.verdict == "flagged"
+    assert check.kl >= KL_MIN and not check.first_token_moved and not check.order_sensitive
+    assert report.verdict == "clean"
+    # the same distributions when one order answers otherwise: the first token decides
+    moved = OrderCheck(3, 3, 1 / 3, 1 / 3, check.kl, 0.0, 0.5, ("a",) * 3, ("a",) * 3, 0.0)
+    assert moved.first_token_moved and not moved.answers_moved and moved.order_sensitive
+    calm = OrderCheck(3, 3, 1 / 3, 1 / 3, check.kl, check.kl / 2, 0.5, ("a",) * 3, ("a",) * 3,
+                      0.0)
+    assert not calm.order_sensitive  # less than KL_FACTOR times the control's
 
 
 def test_the_order_check_confirms_or_clears_a_warning() -> None:
