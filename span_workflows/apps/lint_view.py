@@ -62,12 +62,20 @@ def _rows(plus: PlusReport) -> list[tuple[str, str]]:
             continue  # shown with the order check below
         where = "" if f.path == plus.path else f" [dim]at {f.path}[/]"
         status = " [dim](cleared)[/]" if plus.cleared and f.severity == "warning" else ""
+        status = " [dim](confirmed)[/]" if plus.confirmed and f.severity == "warning" else status
         rows.append((f"[{SEVERITY_STYLE[f.severity]}]{f.rule}[/]",
                      f"{_escape(f.evidence)}{where}{status}"))
     if plus.check is not None:
-        style = "red" if plus.check.order_sensitive else "green"
-        word = "order-sensitive" if plus.check.order_sensitive else "order check"
-        rows.append((f"[{style}]{word}[/]", _escape(plus.check.summary())))
+        summary = _escape(plus.check.summary())
+        if plus.confirmed:
+            rows.append(("[red]order-sensitive[/]", f"{summary} — confirms the warnings"))
+        elif plus.check.order_sensitive:
+            rows.append(("[yellow]order-sensitive[/]",
+                         f"{summary} — no static evidence: the model's answer moves with the "
+                         "order (a small model's does for documents that commute, too)"))
+        else:
+            cleared = " — clears the warnings" if plus.cleared else ""
+            rows.append(("[green]order check[/]", f"{summary}{cleared}"))
     elif plus.skipped:
         rows.append(("[dim]order check[/]", f"[dim]not run: {plus.skipped}[/]"))
     if not rows:

@@ -1,5 +1,5 @@
 """``span-workflows lint``, run as a user runs it (a separate process): the table, --json, the
-exit status (0 clean, 1 flagged, 2 a user error) and, on the real engine, --trials."""
+exit status (0 clean, 1 flagged, 2 a user error); and --trials on the real engine."""
 
 from __future__ import annotations
 
@@ -78,12 +78,30 @@ def test_bad_json_and_a_missing_file_exit_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.engine
-def test_trials_run_the_order_check_on_the_engine(files) -> None:
-    done = _run("lint", str(files["steps"]), str(files["docs"]), "--trials", "2", "--json")
-    assert done.returncode == 1, done.stderr[-2000:]
-    steps, docs = json.loads(done.stdout)
+def test_trials_run_the_order_check_on_the_engine(files, engine, monkeypatch, capsys) -> None:
+    """In this process, on the session's engine (a second vLLM engine cannot start here): the
+    command's own code from the options to the JSON."""
+    from span_workflows.apps.cli import main
+
+    class SessionEngine:
+        """What ``lint --trials`` starts, answered by the session's engine."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            self.args = args
+
+        def __getattr__(self, name: str):
+            return getattr(engine, name)
+
+        def close(self) -> None:  # the session's engine outlives the command
+            pass
+
+    monkeypatch.setattr("span_workflows.engine.Engine", SessionEngine)
+    code = main(["lint", str(files["steps"]), str(files["docs"]), "--trials", "2",
+                 "--answer-tokens", "12", "--json"])
+    steps, docs = json.loads(capsys.readouterr().out)
+    assert code == 1
     for report in (steps, docs):
-        assert report["trials"] == 2
+        assert report["trials"] == 2 and report["model"] == engine.model_name
         check = report["pluses"][0]["order_check"]
         assert check["orders"] == 2 and check["controls"] == 2 and all(check["answers"])
         assert set(check) >= {"agreement", "control_agreement", "kl", "control_kl",
