@@ -214,29 +214,34 @@ class PlusReport:
     #: why no order check ran when one was asked for ("" otherwise)
     skipped: str = ""
 
-    def _static(self, severity: str) -> bool:
+    def has_static(self, severity: str) -> bool:
+        """Whether a static check (not the order check) found something at ``severity``."""
         return any(f.severity == severity and f.rule != ORDER_RULE for f in self.findings)
 
     @property
+    def evidence(self) -> bool:
+        """Whether the static checks found an error or a warning."""
+        return self.has_static("error") or self.has_static("warning")
+
+    @property
     def confirmed(self) -> bool:
-        """Whether the order check found the plus order-sensitive and so confirmed a static
-        warning."""
-        return (self.check is not None and self.check.order_sensitive
-                and self._static("warning"))
+        """Whether the order check found the plus order-sensitive where the static checks
+        found evidence (an error or a warning) too."""
+        return self.check is not None and self.check.order_sensitive and self.evidence
 
     @property
     def cleared(self) -> bool:
-        """Whether the order check cleared this plus's static warnings."""
+        """Whether the order check cleared this plus's static warnings (no static error)."""
         return (self.check is not None and not self.check.order_sensitive
-                and self._static("warning"))
+                and self.has_static("warning") and not self.has_static("error"))
 
     @property
     def verdict(self) -> str:
         """``flagged``, ``warning`` or ``clean`` (see the module docstring)."""
-        if self._static("error") or self.confirmed:
+        if self.has_static("error") or self.confirmed:
             return "flagged"
         if self.check is None:
-            return "warning" if self._static("warning") else "clean"
+            return "warning" if self.has_static("warning") else "clean"
         return "warning" if self.check.order_sensitive else "clean"
 
     def attach(self, check: OrderCheck) -> None:
@@ -246,7 +251,7 @@ class PlusReport:
         self.check = check
         self.findings = [f for f in self.findings if f.rule != ORDER_RULE]
         if check.order_sensitive:
-            severity = "error" if self._static("warning") else "warning"
+            severity = "error" if self.evidence else "warning"
             evidence = check.summary()
             if severity == "warning":
                 evidence += " — no static evidence: the model's answer moves with the order"

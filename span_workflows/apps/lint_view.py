@@ -68,14 +68,19 @@ def _rows(plus: PlusReport) -> list[tuple[str, str]]:
     if plus.check is not None:
         summary = _escape(plus.check.summary())
         if plus.confirmed:
-            rows.append(("[red]order-sensitive[/]", f"{summary} — confirms the warnings"))
+            what = "the static evidence" if plus.has_static("error") else "the warnings"
+            rows.append(("[red]order-sensitive[/]", f"{summary} — confirms {what}"))
         elif plus.check.order_sensitive:
             rows.append(("[yellow]order-sensitive[/]",
                          f"{summary} — no static evidence: the model's answer moves with the "
                          "order (a small model's does for documents that commute, too)"))
         else:
-            cleared = " — clears the warnings" if plus.cleared else ""
-            rows.append(("[green]order check[/]", f"{summary}{cleared}"))
+            note = ""
+            if plus.cleared:
+                note = " — clears the warnings"
+            elif plus.has_static("error"):
+                note = " — the answer did not move here; the static evidence stands"
+            rows.append(("[green]order check[/]", f"{summary}{note}"))
     elif plus.skipped:
         rows.append(("[dim]order check[/]", f"[dim]not run: {plus.skipped}[/]"))
     if not rows:
