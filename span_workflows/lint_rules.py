@@ -245,19 +245,30 @@ def check_site(site: PlusSite) -> list[Finding]:
     found += _structure(site)
     if len(site.texts) >= 2 and not isinstance(site.node, Repeat):
         texts = site.texts
+        # a generation's prompt is read alone: no sentence, table or list runs on from it
+        # into a sibling (only what it says, "Write step 2", ties it to one)
+        shown = tuple("" if prompt else t for t, prompt in zip(
+            texts, _prompts(site), strict=True))
         found += _numbering(site, texts)
         found += _openers(site, texts)
         found += _connectives(site, texts)
         found += _instructions(site, texts)
         found += _continuations(site, texts)
         found += _back_references(site, texts)
-        found += _sentence_cuts(site, texts)
-        found += _tables(site, texts)
-        found += _lists(site, texts)
+        found += _sentence_cuts(site, shown)
+        found += _tables(site, shown)
+        found += _lists(site, shown)
         found += _speakers(site, texts)
         found += _pronouns(site, texts)
     order = {s: i for i, s in enumerate(SEVERITIES)}
     return sorted(found, key=lambda f: order[f.severity])
+
+
+def _prompts(site: PlusSite) -> list[bool]:
+    """Which children are generations (their text is a prompt, read alone)."""
+    if isinstance(site.node, Map):
+        return [True] * len(site.texts)
+    return [isinstance(k, Generate) for k in site.children]
 
 
 def static_findings(query: Node) -> list[tuple[PlusSite, list[Finding]]]:

@@ -183,6 +183,16 @@ def test_tool_results_of_different_turns() -> None:
     assert check_site(plus_sites(one_turn)[0]) == []
 
 
+def test_prompts_of_generations_are_read_alone() -> None:
+    """A map's inputs and the prompts of nested G's are each read alone: no sentence runs on
+    from one into another; what they say still counts."""
+    q = g(Cross((Map(("write about one", "two more lines")), user("Best?"))))
+    assert check_site(plus_sites(q)[0]) == []
+    steps = g(Cross((Map(("Step 1: write the intro.", "Step 2: write the end.")),
+                     user("Join them."))))
+    assert [f.rule for f in check_site(plus_sites(steps)[0])] == ["sibling-numbering"]
+
+
 def test_notes_for_pluses_that_do_nothing() -> None:
     single = _rag(["Only one document."])
     assert [f.rule for f in check_site(plus_sites(single)[0])] == ["single-child"]
