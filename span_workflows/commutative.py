@@ -32,6 +32,14 @@ Two forms:
     default, or passed as ``None``, is untouched). Naming a parameter the function does not
     have raises ``TypeError`` when decorating.
 
+(c) ``check=True`` in either form (``@commutative(check=True)``,
+    ``@commutative("docs", check=True)``) lints the *first* call (the static checks of
+    :func:`span_workflows.lint.lint`, no model): form (a) checks the plus it returns; form (b)
+    the query the function returns when it returns a node, else the pluses it was given. When a
+    check finds an error or a warning (numbered steps, the turns of a conversation, a table
+    split across items ...) it warns once, with
+    :class:`~span_workflows.lint.CommutativityWarning`; later calls are not checked.
+
 Both forms work on ``async def`` functions, keep the wrapped function's metadata
 (:func:`functools.wraps`) and set ``wrapper.__span_commutative__ = True`` and
 ``wrapper.__span_commutative_params__`` (the parameter names; empty for form (a)).
@@ -46,32 +54,36 @@ from typing import Any, TypeVar, overload
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import NODE_TYPES, Fragment, Plus
+from span_workflows.lint import FirstCallCheck, checker_for
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 @overload
-def commutative(func: F, /) -> F: ...
+def commutative(func: F, /, *, check: bool = False) -> F: ...
 
 
 @overload
-def commutative(*params: str) -> Callable[[F], F]: ...
+def commutative(*params: str, check: bool = False) -> Callable[[F], F]: ...
 
 
-def commutative(*args: Any) -> Any:
+def commutative(*args: Any, check: bool = False) -> Any:
     """Mark a function's result (``@commutative``) or named parameters
-    (``@commutative("docs", ...)``) as commutative collections; see the module docstring."""
+    (``@commutative("docs", ...)``) as commutative collections; ``check=True`` lints the first
+    call. See the module docstring."""
+    if not isinstance(check, bool):
+        raise TypeError(f"@commutative(check=...) takes True or False, got {check!r}")
     if len(args) == 1 and callable(args[0]) and not isinstance(args[0], str):
-        return _wrap_result(args[0])
+        return _wrap_result(args[0], check)
     for name in args:
         if not isinstance(name, str) or not name.isidentifier():
             raise TypeError(
                 f"@commutative takes a function or parameter names (str), got {name!r}"
             )
     if not args:
-        return _wrap_result
+        return lambda func: _wrap_result(func, check)
     params = tuple(args)
-    return lambda func: _wrap_params(func, params)
+    return lambda func: _wrap_params(func, params, check)
 
 
 def as_plus(value: object, what: str) -> Plus:
@@ -109,27 +121,40 @@ def _mark(wrapper: Callable[..., Any], params: tuple[str, ...]) -> None:
     wrapper.__span_commutative_params__ = params  # type: ignore[attr-defined]
 
 
-def _wrap_result(func: F) -> F:
+def _checker(func: Callable[..., Any], check: bool) -> FirstCallCheck | None:
+    return checker_for(func) if check else None
+
+
+def _wrap_result(func: F, check: bool = False) -> F:
     """Form (a): the function's result becomes a plus."""
+    if not callable(func):
+        raise TypeError(f"@commutative must decorate a function, got {func!r}")
     what = f"the result of {func.__qualname__}()"
+    first_call = _checker(func, check)
+
+    def checked(plus: Plus) -> Plus:
+        if first_call is not None and not first_call.done:
+            first_call([plus], stacklevel=4)
+        return plus
+
     if inspect.iscoroutinefunction(func):
 
         @functools.wraps(func)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Plus:
-            return as_plus(await func(*args, **kwargs), what)
+            return checked(as_plus(await func(*args, **kwargs), what))
 
         _mark(async_wrapper, ())
         return async_wrapper  # type: ignore[return-value]
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Plus:
-        return as_plus(func(*args, **kwargs), what)
+        return checked(as_plus(func(*args, **kwargs), what))
 
     _mark(wrapper, ())
     return wrapper  # type: ignore[return-value]
 
 
-def _wrap_params(func: F, params: tuple[str, ...]) -> F:
+def _wrap_params(func: F, params: tuple[str, ...], check: bool = False) -> F:
     """Form (b): the named arguments become pluses before the call."""
     if not callable(func):
         raise TypeError(f"@commutative(...) must decorate a function, got {func!r}")
@@ -144,32 +169,43 @@ def _wrap_params(func: F, params: tuple[str, ...]) -> F:
                 f"{func.__qualname__}(); take the collection as one argument"
             )
 
-    def convert(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+    first_call = _checker(func, check)
+
+    def convert(args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple, dict, list[Plus]]:
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
-            return args, kwargs  # let the call itself report the bad arguments
+            return args, kwargs, []  # let the call itself report the bad arguments
+        made = []
         for name in params:
             if name in bound.arguments and bound.arguments[name] is not None:
                 bound.arguments[name] = as_plus(
                     bound.arguments[name], f"argument {name!r} of {func.__qualname__}()"
                 )
-        return bound.args, bound.kwargs
+                made.append(bound.arguments[name])
+        return bound.args, bound.kwargs, made
+
+    def checked(result: Any, made: list[Plus]) -> Any:
+        if first_call is not None and not first_call.done:
+            # the query the function built, where it returns one; else its collections
+            first_call([result] if isinstance(result, NODE_TYPES) else made, stacklevel=4)
+        return result
 
     if inspect.iscoroutinefunction(func):
 
         @functools.wraps(func)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = convert(args, kwargs)
-            return await func(*args, **kwargs)
+            args, kwargs, made = convert(args, kwargs)
+            return checked(await func(*args, **kwargs), made)
 
         _mark(async_wrapper, params)
         return async_wrapper  # type: ignore[return-value]
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = convert(args, kwargs)
-        return func(*args, **kwargs)
+        args, kwargs, made = convert(args, kwargs)
+        return checked(func(*args, **kwargs), made)
 
     _mark(wrapper, params)
     return wrapper  # type: ignore[return-value]

@@ -10,7 +10,7 @@
 * the library never imports its applications (``span_workflows.apps``), nor do the
   integrations;
 * importing either package stays light: ``span_vllm`` imports no ``span_workflows`` module,
-  ``span_workflows`` no plotting, vector search or embedding library.
+  ``span_workflows`` no plotting, vector search, embedding or terminal-table library.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "plan": ("plan", "result", "fragments"),
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
                             "optimize", "locality", "compile", "render", "layout",
-                            "tool_prompt"),
-    "ground": ("ir", "errors", "model", "retrieval", "sampling"),
+                            "tool_prompt", "lint", "lint_rules"),
+    "ground": ("ir", "errors", "model", "retrieval", "sampling", "logprobs"),
 }
 
 
@@ -189,7 +189,8 @@ def library_imports() -> set[str]:
     return _loaded_after("import span_workflows")
 
 
-@pytest.mark.parametrize("heavy", ["matplotlib", "faiss", "sentence_transformers", "vllm"])
+@pytest.mark.parametrize("heavy", ["matplotlib", "faiss", "sentence_transformers", "vllm",
+                                   "rich"])
 def test_importing_the_library_imports_no_app_dependency(library_imports, heavy: str) -> None:
     assert "span_workflows.ir" in library_imports
     assert not {m for m in library_imports if m.split(".")[0] == heavy}

@@ -17,6 +17,9 @@ meaningful on a shared, noisy machine even when absolute times are not.
 * ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench_route`).
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
   rewrite, crop on and off (:mod:`span_workflows.apps.bench_locality`).
+* ``lint`` — ``span-workflows lint`` on a labelled set of commuting and order-dependent
+  pluses: the share flagged by static checks and with the order check
+  (:mod:`span_workflows.apps.bench_lint`).
 * ``quality`` — answer accuracy of stock and every span mode on invented-fact RAG questions,
   with first-token KL and span-hit TTFT (:mod:`span_workflows.apps.bench_quality`).
 """
@@ -241,6 +244,10 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         from span_workflows.apps.bench_quality import run_quality
 
         return run_quality(args)
+    if name == "lint":
+        from span_workflows.apps.bench_lint import run_lint_bench
+
+        return run_lint_bench(args)
     args.docs = args.docs or [1, 2, 4, 8, 16]
     if name == "locality":
         from span_workflows.apps.bench_locality import run_locality

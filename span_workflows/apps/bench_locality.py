@@ -369,7 +369,7 @@ def run_locality(args: Any) -> int:
                 with partial.open("a") as f:
                     f.write(json.dumps(row) + "\n")
 
-        rows = bench_locality(engine, args.hay_chars, args.trials, args.positions,
+        rows = bench_locality(engine, args.hay_chars, args.trials or 8, args.positions,
                               crop_modes=(False,) if args.no_crop else (True, False),
                               copy_tokens=args.copy_tokens, on_row=on_row)
         if partial is not None:

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 #: The benchmarks, by name.
-BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route")
+BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route",
+              "lint")
 
 
 def _ints(text: str) -> list[int]:
@@ -37,14 +38,15 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
     parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800],
                         help="locality: characters of text around the needle "
                              "(default: 0,200,400,800)")
-    parser.add_argument("--trials", type=int, default=8,
-                        help="locality: trials per point (default: 8)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="locality: trials per point (default: 8); lint: orders and "
+                             "controls per plus (default: 3)")
     parser.add_argument("--positions", type=_names, default=["start", "middle", "end"],
                         help="locality: needle positions (default: start,middle,end)")
     parser.add_argument("--no-crop", action="store_true",
                         help="locality: run with cropping off only (default: on and off)")
     parser.add_argument("--markdown", type=Path,
-                        help="locality, quality: write the table here (Markdown)")
+                        help="locality, quality, lint: write the table here (Markdown)")
     parser.add_argument("--copy-tokens", type=int, default=8,
                         help="locality: tokens each inner generation copies (0: all)")
     parser.add_argument("--variants", type=_names,
@@ -52,9 +54,11 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
     parser.add_argument("--questions", type=int, default=200,
                         help="quality: questions per document count (default: 200)")
     parser.add_argument("--seed", type=int, default=0,
-                        help="quality: question-set seed (default: 0)")
+                        help="quality: question-set seed; lint: seed of the random orders "
+                             "(default: 0)")
     parser.add_argument("--answers", type=Path,
-                        help="quality: keep answers here and resume from them")
+                        help="quality, lint: keep answers (lint: rows) here and resume "
+                             "from them")
     parser.add_argument("--sizes", type=_names, default=None,
                         help="quality: document sizes, short (65-85 tokens) and/or long "
                              "(256-512) (default: short,long)")
@@ -81,7 +85,9 @@ def options_help() -> str:
             "  locality    needle extraction: flat judge vs tournament, crop on and off\n"
             "  quality     invented-fact QA accuracy: stock vs every span mode\n"
             "  route       routers over span-engine replicas (its own options: "
-            "bench route --help)\n\n"
+            "bench route --help)\n"
+            "  lint        span-workflows lint on a labelled set of commuting and ordered "
+            "pluses\n\n"
             "benchmark " + options)
 
 

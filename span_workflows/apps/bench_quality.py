@@ -49,6 +49,7 @@ from span_workflows.apps.qa_set import (
 from span_workflows.apps.report import wilson
 from span_workflows.builders import rag
 from span_workflows.layout import SpanOptions
+from span_workflows.logprobs import kl_top, mean_kl
 
 SYSTEM = "Answer the question using only the documents. Be brief."
 MAX_TOKENS = 40
@@ -106,15 +107,6 @@ class _Answers:
     correct: list[bool]
     facts: list[str]
     first: list[dict[int, float]]
-
-
-def kl_top(p: dict[int, float], q: dict[int, float]) -> float:
-    """KL(p || q) from two top-k log-probability dicts: over p's tokens, each missing from q
-    taken at q's smallest listed log-probability (an upper bound of its true value)."""
-    if not p or not q:
-        return float("nan")
-    floor = min(q.values())
-    return sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
 
 
 def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
@@ -514,9 +506,7 @@ def paired_delta(own: Sequence[bool], reference: Sequence[bool], z: float = 1.96
 
 
 def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> float:
-    values = [kl_top(p, q) for p, q in zip(ref, other, strict=True)]
-    values = [v for v in values if not math.isnan(v)]
-    return statistics.fmean(values) if values else float("nan")
+    return mean_kl(zip(ref, other, strict=True))
 
 
 __all__ = ["DEFAULT_VARIANTS", "MAX_TOKENS", "SYSTEM", "VARIANTS", "AnswerStore", "Variant",

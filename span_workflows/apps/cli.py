@@ -1,4 +1,4 @@
-"""``span-workflows`` command line: demo, run, compile, serve, bench, tune.
+"""``span-workflows`` command line: demo, run, compile, lint, serve, bench, tune.
 
 User mistakes (bad JSON, unknown node, missing file, unavailable model) exit with status 2 and
 one line on stderr, never a traceback.
@@ -107,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="KV block size to align spans to (default: 32)")
     comp.set_defaults(func=_cmd_compile)
 
+    _add_lint(sub, common)
+
     serve = sub.add_parser(
         "serve", help="OpenAI-compatible vLLM server with span queries",
         description="Any other option (or everything after --) is passed to vLLM's server, "
@@ -141,6 +143,75 @@ def _parser() -> argparse.ArgumentParser:
                        help="the benchmark's options (below)")
     bench.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _add_lint(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from span_workflows.lint import DEFAULT_ANSWER_TOKENS, DEFAULT_MARGIN
+
+    lint = sub.add_parser(
+        "lint", help="is each plus really commutative? static checks; --trials: on the engine",
+        description="Check every plus of span queries: static checks (numbering, sequence "
+                    "words, references across children, tables, lists and sentences cut "
+                    "between children, conversation turns, tool results of different turns), "
+                    "and with --trials K the order check: each plus's query in stock mode "
+                    "under K orders of its children next to K whitespace-only controls. Exit "
+                    "status: 0 clean, 1 when a plus is flagged, 2 on a user error.",
+        parents=[common])
+    lint.add_argument("files", nargs="+", type=Path, help="span queries in JSON (spnl's IR)")
+    lint.add_argument("--trials", type=int, default=None, metavar="K",
+                      help="run the order check with K orders and K controls per plus "
+                           "(default: static checks only, no model)")
+    lint.add_argument("--json", action="store_true", help="print the reports as JSON")
+    lint.add_argument("--model", help="model of the order check (name or local directory)")
+    lint.add_argument("--block-size", type=int, default=32,
+                      help="KV block size of the embedded engine (default: 32)")
+    lint.add_argument("--answer-tokens", type=int, default=DEFAULT_ANSWER_TOKENS,
+                      help="tokens each G of the order check generates at most "
+                           f"(default: {DEFAULT_ANSWER_TOKENS})")
+    lint.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                      help="how far below the control's the agreement across orders must "
+                           f"fall to flag a plus (a share of runs; default: {DEFAULT_MARGIN})")
+    lint.add_argument("--seed", type=int, default=0, help="seed of the random orders")
+    lint.set_defaults(func=_cmd_lint)
+
+
+def _cmd_lint(args: argparse.Namespace) -> int:
+    from span_workflows.lint import lint
+
+    queries = load_queries(args.files)
+    engine = None
+    if args.trials is not None:
+        if args.trials < 2:
+            raise SpanQueryError("--trials", f"must be at least 2, got {args.trials}")
+        if args.answer_tokens < 1:
+            raise SpanQueryError("--answer-tokens", "must be at least 1")
+        model, queries = pick_model(queries, args.model)
+        from span_workflows.apps.precheck import check_queries
+
+        name = None if model is None or _is_default(model) else model
+        check_queries(queries, name, args.block_size, span_mode=False,
+                      labels=[str(p) for p in args.files])
+        from span_workflows.apps.progress import engine_loading
+        from span_workflows.engine import Engine
+
+        with engine_loading():
+            engine = Engine(name, block_size=args.block_size, progress=True,
+                            load_progress=args.verbose)
+    try:
+        reports = [lint(q, engine, trials=args.trials or 2, answer_tokens=args.answer_tokens,
+                        margin=args.margin, seed=args.seed, progress=engine is not None)
+                   for q in queries]
+    finally:
+        if engine is not None:
+            engine.close()
+    if args.json:
+        print(json.dumps([{"file": str(p), **r.to_dict()}
+                          for p, r in zip(args.files, reports, strict=True)], indent=2))
+    else:
+        from span_workflows.apps.lint_view import print_reports
+
+        print_reports([(str(p), r) for p, r in zip(args.files, reports, strict=True)])
+    return max(r.exit_code for r in reports)
 
 
 def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
