@@ -71,7 +71,8 @@ class Engine:
     ``"self"``) says what plus spans attend to and how they are laid out; every ``execute``
     call may override it. ``load_progress=False`` hides vLLM's weight-loading bar.
     ``kv_cache_blocks`` caps the KV cache at that many blocks (vLLM's
-    ``num_gpu_blocks_override``: a small cache for tests and benchmarks); ``cache_tokens``
+    ``num_gpu_blocks_override``: a small cache for tests and benchmarks; the context is then
+    capped to what the cache holds unless ``max_model_len`` says otherwise); ``cache_tokens``
     is the cache's size in tokens, as the engine allocated it.
     """
 
@@ -102,6 +103,8 @@ class Engine:
         self.layout_tokens = LayoutTokens.for_tokenizer(self.tokenizer)
         self.block_size = block_size
         self._layout_key = _prepare_environment(kv_cache_gib)
+        if kv_cache_blocks is not None and max_model_len is None:
+            max_model_len = _context_within(self.model_dir, kv_cache_blocks * block_size)
         span_vllm.register()
         from vllm import LLM
 
@@ -434,6 +437,18 @@ def _salt(value: str | None) -> str | None:
     if not isinstance(value, str) or not value:
         raise SpanQueryError("cache_salt", "must be a non-empty string")
     return value
+
+
+def _context_within(model_dir: Path, cache_tokens: int) -> int:
+    """The model's context length (``max_position_embeddings``), at most ``cache_tokens``."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        longest = int(config.get("max_position_embeddings") or cache_tokens)
+    except (OSError, ValueError):
+        longest = cache_tokens
+    return max(1, min(longest, cache_tokens))
 
 
 def _prepare_environment(kv_cache_gib: int) -> str:

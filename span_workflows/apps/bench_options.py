@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 #: The benchmarks, by name.
-BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route")
+BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route", "bulk")
 
 
 def _ints(text: str) -> list[int]:
@@ -78,7 +78,9 @@ def options_help() -> str:
             "  locality    needle extraction: flat judge vs tournament, crop on and off\n"
             "  quality     invented-fact QA accuracy: stock vs every span mode\n"
             "  route       routers over span-engine replicas (its own options: "
-            "bench route --help)\n\n"
+            "bench route --help)\n"
+            "  bulk        a bulk in arrival order vs random vs clustered, one engine and Ray "
+            "actors (its own options: bench bulk --help)\n\n"
             "benchmark " + options)
 
 

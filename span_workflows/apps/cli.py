@@ -327,8 +327,8 @@ def _cmd_run_bulk(args: argparse.Namespace) -> int:
             raise SpanQueryError("run", str(exc)) from None
 
         def on_ray(lines: list[str]):
-            return (answer for answer, _ in run_bulk_on_ray(lines, bulk_options,
-                                                            address=args.ray_address))
+            return (got.answer for got in run_bulk_on_ray(lines, bulk_options,
+                                                          address=args.ray_address))
 
         report = run_bulk_file(on_ray, args.bulk, args.out)
     else:

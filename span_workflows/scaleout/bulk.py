@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,10 +76,23 @@ class BulkOptions:
         bulk.check_options(self.schedule, self.max_in_flight)
 
 
+@dataclass(frozen=True, slots=True)
+class RayAnswer:
+    """One answer of a bulk on Ray: the answer, the engine that gave it (``host:pid``; ``""``
+    for a query refused before it ran), when that engine was ready and when its cluster
+    ended (``time.time()`` seconds)."""
+
+    answer: BulkAnswer
+    engine: str = ""
+    ready_at: float = 0.0
+    ended_at: float = 0.0
+
+
 class SpanEngineActor:
     """One span engine of the pool: ``map_batches`` calls it with one cluster per batch
     (columns ``indices`` and ``queries``: the bulk's indices and JSON lines) and gets one row
-    per query back (``index``, ``answer``: the answer's JSON line, ``engine``: who answered)."""
+    per query back (``index``, ``answer``: the answer's JSON line, ``engine``: who answered,
+    ``ready_at`` / ``ended_at``: when the engine was ready, when the cluster ended)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         from span_workflows.engine import Engine
@@ -89,22 +103,27 @@ class SpanEngineActor:
                              kv_cache_blocks=opts.kv_cache_blocks, block_size=opts.block_size,
                              load_progress=False)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.ready_at = time.time()
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[Any]]:
         from span_workflows.serving import wire
 
-        out: dict[str, list[Any]] = {"index": [], "answer": [], "engine": []}
+        out: dict[str, list[Any]] = {"index": [], "answer": [], "engine": [], "ready_at": [],
+                                     "ended_at": []}
         for indices, lines in zip(batch["indices"], batch["queries"], strict=True):
             indices, lines = list(indices), [str(line) for line in lines]
             answers = self.engine.execute_bulk(lines, schedule=self.options.schedule,
                                                max_in_flight=self.options.max_in_flight,
                                                seed=self.options.seed)
+            ended = time.time()
             for index, answer in zip(indices, answers, strict=True):
                 global_answer = BulkAnswer(int(index), answer.result, answer.error)
                 out["index"].append(int(index))
                 out["answer"].append(json.dumps(wire.bulk_answer(global_answer),
                                                 ensure_ascii=False))
                 out["engine"].append(self.name)
+                out["ready_at"].append(self.ready_at)
+                out["ended_at"].append(ended)
         return out
 
 
@@ -128,16 +147,16 @@ def cluster_rows(queries: Sequence[bulk.Query], options: BulkOptions, tokenizer:
 
 def run_bulk_on_ray(queries: Sequence[bulk.Query], options: BulkOptions | None = None, *,
                     address: str | None = None,
-                    progress: bool = False) -> Iterator[tuple[BulkAnswer, str]]:
+                    progress: bool = False) -> Iterator[RayAnswer]:
     """Run ``queries`` on ``options.replicas`` span-engine actors (see the module docstring);
-    yields ``(answer, engine)`` as each cluster ends (``engine``: ``host:pid`` of the actor
-    that answered, ``""`` for a query refused before it ran). Starts a local Ray unless one is
-    running or ``address`` (or ``RAY_ADDRESS``) names a cluster."""
+    yields a :class:`RayAnswer` per query as each cluster ends (the invalid queries' first).
+    Starts a local Ray unless one is running or ``address`` (or ``RAY_ADDRESS``) names a
+    cluster."""
     import ray
 
     options = options or BulkOptions()
     rows, errors = cluster_rows(queries, options, _tokenizer(options.model))
-    yield from ((e, "") for e in errors)
+    yield from (RayAnswer(e) for e in errors)
     if not rows:
         return
     if not ray.is_initialized():
@@ -147,7 +166,8 @@ def run_bulk_on_ray(queries: Sequence[bulk.Query], options: BulkOptions | None =
 
     data = _pipeline(rows, options, progress)
     for row in data.iter_rows():
-        yield wire.parse_bulk_answer(json.loads(row["answer"])), str(row["engine"])
+        yield RayAnswer(wire.parse_bulk_answer(json.loads(row["answer"])), str(row["engine"]),
+                        float(row["ready_at"]), float(row["ended_at"]))
 
 
 def _pipeline(rows: list[dict[str, Any]], options: BulkOptions, progress: bool) -> Any:
@@ -205,10 +225,10 @@ def _tokenizer(model: str | None) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_model(model, progress=False)))
 
 
-def answers_in_order(answers: Iterable[tuple[BulkAnswer, str]], count: int) -> list[BulkAnswer]:
+def answers_in_order(answers: Iterable[RayAnswer], count: int) -> list[BulkAnswer]:
     """The answers of :func:`run_bulk_on_ray` in input order."""
-    return bulk.in_input_order((a for a, _ in answers), count)
+    return bulk.in_input_order((a.answer for a in answers), count)
 
 
-__all__ = ["BulkOptions", "SpanEngineActor", "answers_in_order", "cluster_rows",
+__all__ = ["BulkOptions", "RayAnswer", "SpanEngineActor", "answers_in_order", "cluster_rows",
            "engine_cache_tokens", "estimated_cache_tokens", "forwarded_env", "run_bulk_on_ray"]
