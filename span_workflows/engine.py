@@ -104,7 +104,7 @@ class Engine:
         self.block_size = block_size
         self._layout_key = _prepare_environment(kv_cache_gib)
         if kv_cache_blocks is not None and max_model_len is None:
-            max_model_len = _context_within(self.model_dir, kv_cache_blocks * block_size)
+            max_model_len = _context_within(self.model_dir, (kv_cache_blocks - 1) * block_size)
         span_vllm.register()
         from vllm import LLM
 
@@ -316,6 +316,9 @@ class Engine:
                     at.append(i)
                 except SpanQueryError as exc:
                     outcomes[i] = exc
+                except (RecursionError, MemoryError) as exc:
+                    outcomes[i] = SpanQueryError(
+                        "", f"query too large to process ({type(exc).__name__})")
             results = drive(plans, share_prepares(self._run), self._probe, self._steps)
             for i, result in zip(at, results, strict=True):
                 outcomes[i] = result

@@ -14,16 +14,19 @@ once per process; its cache capped with ``kv_cache_blocks``): for each working-s
 (``--ratios``, default 4 and 0.5: a working set 4× the cache, and one that fits) the same
 queries as a bulk with ``schedule`` ``given`` (arrival order), ``random`` and ``cluster``, each
 on an empty cache; then ``cluster`` on 2 Ray Data actors (``--replicas``) with the same cache
-each. A few queries (``--alone``) also run alone on an empty cache.
+each (for ``--ray-doc-tokens``, default the 100-token documents). A few queries
+(``--alone``) also run alone on an empty cache.
 
 **Rows** (JSON): ``schedule``, ``engines``, ``doc_tokens``, ``working_set_over_cache``,
 ``queries``, ``queries_per_s`` (queries / wall time of the bulk; on Ray from the first engine
-ready to the last answer), ``hit_rate`` (prompt tokens read from the cache that the query did
-not compute / prompt tokens), ``tokens_computed`` (prompt tokens computed by all requests,
-prepares and links included), ``p50_latency_s`` (a query's own latency inside the bulk),
-``same_answers`` (every answer equals the same query's answer in arrival order on one engine,
-and the sampled queries run alone answer the same), ``clusters``, ``cache_tokens``,
-``wall_s``. Written to ``benchmarks/results/bulk.{json,md,png}``.
+ready to the last answer), ``queries_per_cpu_s`` (queries / CPU seconds the engines spent: the
+measure that a machine shared with other work does not distort), ``hit_rate`` (prompt tokens
+read from the cache that the query did not compute / prompt tokens), ``tokens_computed``
+(prompt tokens computed by all requests, prepares and links included), ``p50_latency_s`` (a
+query's own latency inside the bulk), ``same_answers`` (every answer equals the same query's
+answer in arrival order on one engine, and the sampled queries run alone answer the same),
+``clusters``, ``cache_tokens``, ``wall_s``, ``cpu_s``. Written to
+``benchmarks/results/bulk.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -134,18 +137,21 @@ def _texts(tokenizer: Any, shape: TraceShape) -> list[str]:
     return [f"Document {d} (topic {d // PER_TOPIC}). {body[d]}" for d in range(count)]
 
 
-def measure(answers: Sequence[Any], wall_s: float) -> dict[str, Any]:
-    """The row's numbers from a bulk's answers (input order) and its wall time."""
+def measure(answers: Sequence[Any], wall_s: float, cpu_s: float) -> dict[str, Any]:
+    """The row's numbers from a bulk's answers (input order), its wall time and the CPU time
+    its engines spent."""
     metrics = [a.result.metrics for a in answers if a.ok]
     prompt = sum(m.prompt_tokens for m in metrics)
     return {
         "queries": len(answers),
         "queries_per_s": round(len(answers) / wall_s, 3),
+        "queries_per_cpu_s": round(len(answers) / cpu_s, 3),
         "hit_rate": round(sum(m.reused_tokens for m in metrics) / prompt, 4) if prompt else 0.0,
         "tokens_computed": sum(m.prepared_tokens + m.prompt_tokens - m.cached_tokens
                                for m in metrics),
         "p50_latency_s": round(statistics.median(m.latency_s for m in metrics), 3),
         "wall_s": round(wall_s, 2),
+        "cpu_s": round(cpu_s, 2),
         "failed": sum(1 for a in answers if not a.ok),
     }
 
@@ -169,11 +175,13 @@ def one_engine_rows(setting: Setting) -> dict[str, Any]:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from span_workflows.bulk import schedule_items
+    from span_workflows.bulk import as_queries, key_items, schedule_items
     from span_workflows.engine import Engine
+    from span_workflows.scaleout.keys import QueryKeyer
 
     engine = Engine(kv_cache_gib=1, kv_cache_blocks=setting.cache_blocks, load_progress=False)
     cache = engine.cache_tokens
+    keyer = QueryKeyer(engine.tokenizer, engine.block_size)
     rows, references = [], {}
     try:
         for ratio in setting.ratios:
@@ -181,29 +189,27 @@ def one_engine_rows(setting: Setting) -> dict[str, Any]:
                               setting.seed)
             queries = make_queries(shape, _texts(engine.tokenizer, shape))
             working = working_set_tokens(make_trace(shape), setting.doc_tokens) / cache
+            items = key_items(as_queries(queries), keyer, engine.span_options)
             texts: dict[str, list[str]] = {}
             for schedule in SCHEDULES:
                 engine.reset_cache()
-                started = time.perf_counter()
+                started, cpu = time.perf_counter(), time.process_time()
                 answers = engine.execute_bulk(queries, schedule=schedule,
                                               max_in_flight=setting.max_in_flight,
                                               seed=setting.seed)
-                wall = time.perf_counter() - started
+                wall, cpu = time.perf_counter() - started, time.process_time() - cpu
                 texts[schedule] = [a.result.text if a.ok else "" for a in answers]
-                from span_workflows.bulk import as_queries, key_items
-
-                items = key_items(as_queries(queries), engine._keyer, engine.span_options)
                 clusters = len(schedule_items(items, schedule, cache, seed=setting.seed)
                                .clusters)
                 rows.append({"schedule": schedule, "engines": 1,
                              "doc_tokens": setting.doc_tokens,
-                             "working_set_over_cache": round(working, 2), **measure(answers,
-                                                                                    wall),
+                             "working_set_over_cache": round(working, 2),
+                             **measure(answers, wall, cpu),
                              "clusters": clusters, "cache_tokens": cache,
                              "topics": shape.topics})
                 print(f"bench bulk: {setting.doc_tokens}-token documents, working set "
-                      f"{working:.2f}x cache, {schedule}: {rows[-1]['queries_per_s']} q/s",
-                      flush=True)
+                      f"{working:.2f}x cache, {schedule}: {rows[-1]['queries_per_s']} q/s, "
+                      f"{rows[-1]['queries_per_cpu_s']} q/CPU-s", flush=True)
             alone_ok = True
             rng = random.Random(setting.seed)
             for i in rng.sample(range(len(queries)), min(setting.alone, len(queries))):
@@ -246,10 +252,11 @@ def ray_rows(setting: Setting, references: dict[float, Any], cache_tokens: int,
         rows.append({"schedule": "cluster", "engines": replicas,
                      "doc_tokens": setting.doc_tokens,
                      "working_set_over_cache": round(ref["working"], 2),
-                     **measure(answers, wall), "clusters": len({g.engine for g in got}),
+                     **measure(answers, wall, sum(g.cpu_s for g in got)),
                      "cache_tokens": cache_tokens, "topics": shape.topics,
-                     "same_answers": texts == ref["texts"]})
-        rows[-1]["clusters"] = _ray_clusters(queries, options, tokenizer)
+                     "same_answers": texts == ref["texts"],
+                     "clusters": _ray_clusters(queries, options, tokenizer),
+                     "engines_answering": len({g.engine for g in got})})
         print(f"bench bulk: {setting.doc_tokens}-token documents on {replicas} Ray actors: "
               f"{rows[-1]['queries_per_s']} q/s", flush=True)
     return rows
@@ -265,25 +272,29 @@ def _ray_clusters(queries: Sequence[Any], options: Any, tokenizer: Any) -> int:
 
 
 def markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The rows as a table, with throughput and tokens computed over arrival order's (same
-    document size and working set, one engine)."""
+    """The rows as a table, with throughput (per wall second and per CPU second) and tokens
+    computed over arrival order's (same document size and working set, one engine), and the
+    Ray rows over one engine's clustered run."""
     base = {(r["doc_tokens"], r["working_set_over_cache"]): r for r in rows
             if r["schedule"] == "given" and r["engines"] == 1}
     one = {(r["doc_tokens"], r["working_set_over_cache"]): r for r in rows
            if r["schedule"] == "cluster" and r["engines"] == 1}
     lines = ["| doc tokens | working set / cache | schedule | engines | queries | queries/s "
-             "| × arrival | × one engine | hit rate | tokens computed | × arrival "
-             "| p50 latency (s) | same answers |", "|" + "---|" * 13]
+             "| × arrival | queries/CPU-s | × arrival | × one engine | hit rate "
+             "| tokens computed | × arrival | p50 latency (s) | same answers |",
+             "|" + "---|" * 15]
     for r in rows:
         key = (r["doc_tokens"], r["working_set_over_cache"])
-        ref, single = base.get(key), one.get(key)
+        ref, single = base.get(key, {}), one.get(key, {})
         lines.append(
             f"| {r['doc_tokens']} | {r['working_set_over_cache']:.2f} | {r['schedule']} "
             f"| {r['engines']} | {r['queries']} | {r['queries_per_s']:.3f} "
-            f"| {_ratio(r['queries_per_s'], ref and ref['queries_per_s'])} "
-            f"| {_ratio(r['queries_per_s'], single and single['queries_per_s'])} "
+            f"| {_ratio(r['queries_per_s'], ref.get('queries_per_s'))} "
+            f"| {r['queries_per_cpu_s']:.3f} "
+            f"| {_ratio(r['queries_per_cpu_s'], ref.get('queries_per_cpu_s'))} "
+            f"| {_ratio(r['queries_per_s'], single.get('queries_per_s'))} "
             f"| {r['hit_rate']:.3f} | {r['tokens_computed']} "
-            f"| {_ratio(r['tokens_computed'], ref and ref['tokens_computed'])} "
+            f"| {_ratio(r['tokens_computed'], ref.get('tokens_computed'))} "
             f"| {r['p50_latency_s']:.2f} | {'yes' if r['same_answers'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
@@ -292,8 +303,14 @@ def _ratio(value: float, ref: float | None) -> str:
     return "—" if not ref else f"{value / ref:.2f}"
 
 
+PANELS = (("queries_per_s", "queries / wall second"),
+          ("queries_per_cpu_s", "queries / CPU second"),
+          ("tokens_computed", "prompt tokens computed (lower is better)"))
+
+
 def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
-    """Queries/s and tokens computed per setting, one bar per schedule (and Ray)."""
+    """Throughput (wall and CPU) and tokens computed per setting, one bar per schedule (and
+    per Ray run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,11 +319,11 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
     settings = sorted({(r["doc_tokens"], r["working_set_over_cache"]) for r in rows})
     kinds = [("given", 1), ("random", 1), ("cluster", 1)] + sorted(
         {(r["schedule"], r["engines"]) for r in rows if r["engines"] > 1})
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.4))
     width = 0.8 / len(kinds)
     for k, (schedule, engines) in enumerate(kinds):
         label = schedule if engines == 1 else f"{schedule}, {engines} Ray actors"
-        for ax, column in zip(axes, ("queries_per_s", "tokens_computed"), strict=True):
+        for ax, (column, _) in zip(axes, PANELS, strict=True):
             xs, ys = [], []
             for s, (doc, ratio) in enumerate(settings):
                 row = next((r for r in rows if (r["doc_tokens"], r["working_set_over_cache"],
@@ -316,11 +333,11 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
                     xs.append(s + k * width)
                     ys.append(row[column])
             ax.bar(xs, ys, width, label=label)
-    for ax, title in zip(axes, ("queries / s (higher is better)",
-                                "prompt tokens computed (lower is better)"), strict=True):
+    for ax, (_, title) in zip(axes, PANELS, strict=True):
         ax.set_xticks([s + 0.4 - width / 2 for s in range(len(settings))])
-        ax.set_xticklabels([f"{d} tok docs\nworking set {r:.1f}× cache" for d, r in settings])
-        ax.set_title(title)
+        ax.set_xticklabels([f"{d}-token docs\nworking set {r:.2f}× cache"
+                            for d, r in settings], fontsize=8)
+        ax.set_title(title, fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("span-workflows bench bulk (SmolLM2-135M, CPU)")
@@ -347,9 +364,14 @@ def make_parser() -> argparse.ArgumentParser:
                    help="queries run together (default: 4)")
     p.add_argument("--replicas", type=int, default=2,
                    help="Ray actors for the distributed rows (0: none; default: 2)")
+    p.add_argument("--ray-doc-tokens", type=lambda t: [int(x) for x in t.split(",")],
+                   default=[100], help="document sizes of the Ray rows (default: 100)")
     p.add_argument("--alone", type=int, default=3,
                    help="queries also run alone per working set, for same_answers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parts", type=Path, default=None,
+                   help="keep each document size's one-engine rows here and reuse them when "
+                        "run again with the same settings (e.g. to redo the Ray rows)")
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="directory of bulk.json / bulk.md / bulk.png")
     p.add_argument("--no-write", action="store_true", help="print the table only")
@@ -366,12 +388,19 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
     rows: list[dict[str, Any]] = []
     later = []
     spawn = multiprocessing.get_context("spawn")
+    parts = json.loads(args.parts.read_text()) if args.parts and args.parts.exists() else {}
     for doc_tokens in args.doc_tokens:
         setting = Setting(doc_tokens, args.cache_blocks or CACHE_BLOCKS.get(doc_tokens, 192),
                           tuple(args.ratios), args.uses_per_doc, args.max_in_flight,
                           args.alone, args.seed)
-        with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-            part = pool.submit(one_engine_rows, setting).result()
+        key = json.dumps(asdict(setting), sort_keys=True)
+        part = parts.get(key)
+        if part is None:
+            with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                part = pool.submit(one_engine_rows, setting).result()
+            if args.parts:
+                parts[key] = part
+                args.parts.write_text(json.dumps(parts) + "\n")
         rows.extend(part["rows"])
         later.append((setting, part))
     if args.replicas > 0:
@@ -383,6 +412,8 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
                  runtime_env={"env_vars": forwarded_env()})
         try:
             for setting, part in later:
+                if setting.doc_tokens not in args.ray_doc_tokens:
+                    continue
                 rows.extend(ray_rows(setting, {float(k): v for k, v in
                                                part["references"].items()},
                                      part["cache_tokens"], args.replicas))

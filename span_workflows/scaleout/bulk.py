@@ -86,13 +86,16 @@ class RayAnswer:
     engine: str = ""
     ready_at: float = 0.0
     ended_at: float = 0.0
+    #: this query's share of the CPU time its engine spent on its cluster (seconds)
+    cpu_s: float = 0.0
 
 
 class SpanEngineActor:
     """One span engine of the pool: ``map_batches`` calls it with one cluster per batch
     (columns ``indices`` and ``queries``: the bulk's indices and JSON lines) and gets one row
     per query back (``index``, ``answer``: the answer's JSON line, ``engine``: who answered,
-    ``ready_at`` / ``ended_at``: when the engine was ready, when the cluster ended)."""
+    ``ready_at`` / ``ended_at``: when the engine was ready, when the cluster ended,
+    ``cpu_s``: each query's share of the CPU time the cluster took)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
         from span_workflows.engine import Engine
@@ -109,13 +112,14 @@ class SpanEngineActor:
         from span_workflows.serving import wire
 
         out: dict[str, list[Any]] = {"index": [], "answer": [], "engine": [], "ready_at": [],
-                                     "ended_at": []}
+                                     "ended_at": [], "cpu_s": []}
         for indices, lines in zip(batch["indices"], batch["queries"], strict=True):
             indices, lines = list(indices), [str(line) for line in lines]
+            cpu = time.process_time()
             answers = self.engine.execute_bulk(lines, schedule=self.options.schedule,
                                                max_in_flight=self.options.max_in_flight,
                                                seed=self.options.seed)
-            ended = time.time()
+            ended, cpu = time.time(), (time.process_time() - cpu) / max(1, len(lines))
             for index, answer in zip(indices, answers, strict=True):
                 global_answer = BulkAnswer(int(index), answer.result, answer.error)
                 out["index"].append(int(index))
@@ -124,6 +128,7 @@ class SpanEngineActor:
                 out["engine"].append(self.name)
                 out["ready_at"].append(self.ready_at)
                 out["ended_at"].append(ended)
+                out["cpu_s"].append(cpu)
         return out
 
 
@@ -167,7 +172,7 @@ def run_bulk_on_ray(queries: Sequence[bulk.Query], options: BulkOptions | None =
     data = _pipeline(rows, options, progress)
     for row in data.iter_rows():
         yield RayAnswer(wire.parse_bulk_answer(json.loads(row["answer"])), str(row["engine"]),
-                        float(row["ready_at"]), float(row["ended_at"]))
+                        float(row["ready_at"]), float(row["ended_at"]), float(row["cpu_s"]))
 
 
 def _pipeline(rows: list[dict[str, Any]], options: BulkOptions, progress: bool) -> Any:

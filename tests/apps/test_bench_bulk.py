@@ -46,17 +46,19 @@ def _answer(i: int, cached: int, prepared: int, latency: float) -> BulkAnswer:
 def test_a_row_counts_tokens_computed_hit_rate_and_latency(tmp_path: Path) -> None:
     answers = [_answer(0, 80, 60, 1.0), _answer(1, 90, 0, 3.0),
                BulkAnswer(2, error=ValueError("bad"))]
-    row = measure(answers, wall_s=2.0)
+    row = measure(answers, wall_s=2.0, cpu_s=1.5)
     assert row["tokens_computed"] == (60 + 20) + (0 + 10)
+    assert row["queries_per_cpu_s"] == 2.0
     assert row["hit_rate"] == round((20 + 90) / 200, 4)
     assert row["p50_latency_s"] == 2.0 and row["queries_per_s"] == 1.5 and row["failed"] == 1
     rows = [{"schedule": s, "engines": e, "doc_tokens": 100, "working_set_over_cache": 4.0,
-             "queries": 3, "queries_per_s": q, "hit_rate": 0.5, "tokens_computed": t,
+             "queries": 3, "queries_per_s": q, "queries_per_cpu_s": q / 2, "hit_rate": 0.5,
+             "tokens_computed": t,
              "p50_latency_s": 1.0, "same_answers": True}
             for s, e, q, t in (("given", 1, 1.0, 900), ("random", 1, 0.9, 950),
                                ("cluster", 1, 1.6, 500), ("cluster", 2, 2.0, 520))]
     table = markdown(rows)
-    assert "| cluster | 1 | 3 | 1.600 | 1.60 | 1.00 |" in table
-    assert "| cluster | 2 | 3 | 2.000 | 2.00 | 1.25 |" in table
+    assert "| cluster | 1 | 3 | 1.600 | 1.60 | 0.800 | 1.60 | 1.00 |" in table
+    assert "| cluster | 2 | 3 | 2.000 | 2.00 | 1.000 | 2.00 | 1.25 |" in table
     plot_rows(rows, tmp_path / "bulk.png")
     assert (tmp_path / "bulk.png").stat().st_size > 1000

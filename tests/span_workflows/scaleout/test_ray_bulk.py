@@ -48,9 +48,10 @@ def engine_actors() -> list:
 def test_clusters_run_whole_and_a_killed_engines_cluster_is_redone(local_ray, engine) -> None:
     from span_workflows.scaleout.bulk import BulkOptions, cluster_rows, run_bulk_on_ray
 
-    # a cache that holds one topic's notes and queries, not two: six clusters
-    options = BulkOptions(replicas=2, num_cpus=1, kv_cache_gib=1, max_in_flight=2,
-                          cache_tokens=1200)
+    # clusters sized for a cache that holds one topic's notes and queries, not two: six
+    # clusters; each engine's own cache is 64 blocks (2048 tokens: small in memory)
+    options = BulkOptions(replicas=2, num_cpus=1, kv_cache_gib=1, kv_cache_blocks=64,
+                          max_in_flight=2, cache_tokens=1200)
     rows, errors = cluster_rows(QUERIES, options, engine.tokenizer)
     assert not errors and len(rows) == len(TOPICS)
     cluster_of = {i: row["cluster"] for row in rows for i in row["indices"]}
