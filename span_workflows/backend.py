@@ -9,7 +9,8 @@ value or text); ``optimize_query=False`` runs the tree as given (it must then be
 optimizer's normal form); ``span_options`` (a :class:`~span_workflows.layout.SpanOptions` or a
 preset name, ``"prefix"`` or ``"self"``) override the backend's for this call; ``cache_salt``
 keeps the query's cached KV, spans included, apart from every other salt's. An invalid query
-raises :class:`~span_workflows.errors.SpanQueryError`. ``stream``/``astream`` yield the
+raises :class:`~span_workflows.errors.SpanQueryError`, except in ``execute_bulk``, where
+it is that query's answer and the others run. ``stream``/``astream`` yield the
 answer's text as it is generated, in deltas that concatenate to the result's ``text``; the
 stream's ``result`` is the :class:`~span_workflows.result.Result` once it is read to the end.
 Async methods never block the event loop.
@@ -22,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 from span_workflows.ir import Node
 from span_workflows.layout import SpanOptions
-from span_workflows.result import Result
+from span_workflows.result import BulkAnswer, Result
 from span_workflows.streaming import AsyncTextStream, TextStream
 
 
@@ -46,6 +47,15 @@ class QueryBackend(Protocol):
                      span_options: SpanOptions | str | None = None,
                      cache_salt: str | None = None) -> list[Result]:
         """Run several queries concurrently; their results, in order."""
+        ...
+
+    def execute_bulk(self, queries: Sequence[Node], *, schedule: str = "cluster",
+                     max_in_flight: int = 8, optimize_query: bool = True,
+                     span_options: SpanOptions | str | None = None,
+                     cache_salt: str | None = None) -> list[BulkAnswer]:
+        """Run many queries ordered by the spans they share (``schedule``: ``"cluster"``,
+        ``"given"`` or ``"random"``), ``max_in_flight`` at a time; one answer per query, in
+        input order, each its result or its own error (:mod:`span_workflows.bulk`)."""
         ...
 
     def stream(self, query: Node, *, optimize_query: bool = True,

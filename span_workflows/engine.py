@@ -26,9 +26,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import span_vllm
 from span_vllm import contract
+from span_workflows import bulk
 from span_workflows.compile import (
     Compiler,
     NestedOutput,
@@ -48,9 +50,12 @@ from span_workflows.plan import (
     StepCount,
     Steps,
     drive,
+    guarded,
+    share_prepares,
 )
 from span_workflows.render import ChatRenderer
-from span_workflows.result import Metrics, Result
+from span_workflows.result import BulkAnswer, Metrics, Result
+from span_workflows.serving.wire import QueryBody
 from span_workflows.streaming import AsyncTextStream, PartStream, TextStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
@@ -67,6 +72,10 @@ class Engine:
     span-ready model records for itself, :func:`~span_workflows.model.span_defaults`, else
     :class:`SpanOptions`'s defaults); every ``execute`` call may override it.
     ``load_progress=False`` hides vLLM's weight-loading bar.
+    ``kv_cache_blocks`` caps the KV cache at that many blocks (vLLM's
+    ``num_gpu_blocks_override``: a small cache for tests and benchmarks; the context is then
+    capped to what the cache holds unless ``max_model_len`` says otherwise); ``cache_tokens``
+    is the cache's size in tokens, as the engine allocated it.
     """
 
     def __init__(
@@ -84,6 +93,7 @@ class Engine:
         locality_fanin: int | None = None,
         span_options: SpanOptions | str | None = None,
         load_progress: bool = True,
+        kv_cache_blocks: int | None = None,
     ) -> None:
         self.locality_fanin = locality_fanin
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
@@ -97,6 +107,8 @@ class Engine:
         self.layout_tokens = LayoutTokens.for_tokenizer(self.tokenizer)
         self.block_size = block_size
         self._layout_key = _prepare_environment(kv_cache_gib)
+        if kv_cache_blocks is not None and max_model_len is None:
+            max_model_len = _context_within(self.model_dir, (kv_cache_blocks - 1) * block_size)
         span_vllm.register()
         from vllm import LLM
 
@@ -115,15 +127,20 @@ class Engine:
             # generated.
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
             use_tqdm_on_load=load_progress,
+            num_gpu_blocks_override=kv_cache_blocks,
         )
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len
+        blocks = self._engine.vllm_config.cache_config.num_gpu_blocks or kv_cache_blocks or 0
+        #: the KV cache's size in tokens (blocks the engine allocated x block size)
+        self.cache_tokens = int(blocks) * block_size
         self.renderer = ChatRenderer(self.tokenizer)
         self.compiler = Compiler(self.renderer, self.layout_tokens, block_size, crop=crop,
                                  options=self.span_options)
         self.planner = Planner(self.compiler, self.max_model_len,
                                locality_fanin=locality_fanin)
         self._ids = itertools.count()
+        self._keyer: Any = None
         self._lock = threading.RLock()
         self._closed = False
 
@@ -158,6 +175,41 @@ class Engine:
         """
         return self._execute(queries, optimize_query, span_mode,
                              self._settings(span_options, cache_salt, logprobs))
+
+    def execute_bulk(self, queries: Sequence[bulk.Query], *, schedule: str = "cluster",
+                     max_in_flight: int = bulk.DEFAULT_MAX_IN_FLIGHT,
+                     optimize_query: bool = True,
+                     span_options: SpanOptions | str | None = None,
+                     cache_salt: str | None = None, seed: int = 0) -> list[BulkAnswer]:
+        """Run many queries, ordered by ``schedule`` (:data:`span_workflows.bulk.SCHEDULES`:
+        ``"cluster"`` runs the queries sharing spans together so that each span is computed
+        about once while the cache holds only part of them; ``"given"`` runs them in order;
+        ``"random"`` shuffled with ``seed``), ``max_in_flight`` at a time; one
+        :class:`~span_workflows.result.BulkAnswer` per query, in input order: its result, or
+        the error it alone failed with. A query is a tree, or its JSON value or text (bare or
+        wrapped with its own options); ``span_options`` and ``cache_salt`` apply where it sets
+        none. The order changes no answer (see :mod:`span_workflows.bulk`)."""
+        return bulk.in_input_order(
+            self.iter_bulk(queries, schedule=schedule, max_in_flight=max_in_flight,
+                           optimize_query=optimize_query, span_options=span_options,
+                           cache_salt=cache_salt, seed=seed), len(queries))
+
+    def iter_bulk(self, queries: Sequence[bulk.Query], *, schedule: str = "cluster",
+                  max_in_flight: int = bulk.DEFAULT_MAX_IN_FLIGHT, optimize_query: bool = True,
+                  span_options: SpanOptions | str | None = None,
+                  cache_salt: str | None = None, seed: int = 0) -> Iterator[BulkAnswer]:
+        """:meth:`execute_bulk`, its answers yielded as they are ready (in execution order,
+        each with its input ``index``)."""
+        from span_workflows.scaleout.keys import QueryKeyer
+
+        bulk.check_options(schedule, max_in_flight)
+        parsed = bulk.as_queries(queries, optimize_query=optimize_query,
+                                 span_options=span_options, cache_salt=cache_salt)
+        if self._keyer is None:
+            self._keyer = QueryKeyer(self.tokenizer, self.block_size)
+        return bulk.run_bulk(parsed, self._keyer, self.cache_tokens, self._run_bulk_window,
+                             schedule=schedule, max_in_flight=max_in_flight, seed=seed,
+                             default_options=self.span_options)
 
     def stream(self, query: Node, *, optimize_query: bool = True,
                span_options: SpanOptions | str | None = None,
@@ -253,6 +305,28 @@ class Engine:
             ]
             run = functools.partial(self._run, stream=stream, cancel=cancel)
             return drive(plans, run, self._probe, self._steps)
+
+    def _run_bulk_window(self, queries: Sequence[QueryBody]) -> list[Result | Exception]:
+        """Plan and run one window of a bulk together (identical prepares once); a query
+        that is invalid, or fails in its plan, gives its error in its place."""
+        with self._lock:
+            outcomes: list[Result | Exception | None] = [None] * len(queries)
+            plans, at = [], []
+            for i, q in enumerate(queries):
+                try:
+                    settings = self._settings(q.span_options, q.cache_salt)
+                    node = self.planner.normalize(q.node, q.optimize, True)
+                    plans.append(guarded(self.planner.plan_query(node, True, settings)))
+                    at.append(i)
+                except SpanQueryError as exc:
+                    outcomes[i] = exc
+                except (RecursionError, MemoryError) as exc:
+                    outcomes[i] = SpanQueryError(
+                        "", f"query too large to process ({type(exc).__name__})")
+            results = drive(plans, share_prepares(self._run), self._probe, self._steps)
+            for i, result in zip(at, results, strict=True):
+                outcomes[i] = result
+            return [o for o in outcomes if o is not None]
 
     def _probe(self, step: Probe) -> list[bool]:
         """Which prompts have all their blocks in the prefix cache now."""
@@ -372,6 +446,18 @@ def _salt(value: str | None) -> str | None:
     return value
 
 
+def _context_within(model_dir: Path, cache_tokens: int) -> int:
+    """The model's context length (``max_position_embeddings``), at most ``cache_tokens``."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        longest = int(config.get("max_position_embeddings") or cache_tokens)
+    except (OSError, ValueError):
+        longest = cache_tokens
+    return max(1, min(longest, cache_tokens))
+
+
 def _prepare_environment(kv_cache_gib: int) -> str:
     """The plugin's span-mode environment (:func:`span_vllm.contract.enable`) for an engine
     core in this process, reading a local model; returns the layout key."""
@@ -385,4 +471,5 @@ def available_models() -> Iterable[str]:
     return (DEFAULT_MODEL_NAME,)
 
 
-__all__ = ["Engine", "Metrics", "ModelNotAvailableError", "Result", "StreamClosed"]
+__all__ = ["BulkAnswer", "Engine", "Metrics", "ModelNotAvailableError", "Result",
+           "StreamClosed"]

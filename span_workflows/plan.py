@@ -32,7 +32,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from span_vllm.contract import Segments
@@ -460,6 +460,79 @@ def drive(plans: list[Plan], run: Callable[[list[Request]], list[Output]],
         return stop.value
 
 
+def guarded(plan: Plan) -> Generator[Step, Any, Result | SpanQueryError]:
+    """``plan``, whose :class:`SpanQueryError` (or a query too deep to process) becomes its
+    result instead of ending the plans it runs with: one bad query of many fails alone."""
+    try:
+        return (yield from plan)
+    except SpanQueryError as exc:
+        return exc
+    except (RecursionError, MemoryError) as exc:
+        return SpanQueryError("", f"query too large to process ({type(exc).__name__})")
+
+
+def prepare_key(req: Request) -> tuple | None:
+    """What makes two prepare requests the same work (their KV is the same), or ``None`` for
+    a request that is not a plain prepare."""
+    if (req.max_tokens != 1 or req.temperature != 0.0 or req.n != 1 or req.part is not None
+            or req.logprobs is not None or req.min_cached or req.sampling != Sampling()):
+        return None
+    return (tuple(req.prompt), tuple(req.segments), req.cache_salt)
+
+
+def _reused(out: Output) -> Output:
+    """``out`` as seen by a request that shared another's work: it computed nothing."""
+    return replace(out, cached_tokens=out.prompt_tokens)
+
+
+def share_prepares(run: Callable[[list[Request]], list[Output]]
+                   ) -> Callable[[list[Request]], list[Output]]:
+    """A ``run`` for :func:`drive` that runs identical prepare requests of one batch once (the
+    plans of several queries missing the same span would each compute it); the others get its
+    output with every prompt token counted as cached."""
+
+    def shared(requests: list[Request]) -> list[Output]:
+        first: dict[tuple, int] = {}
+        unique: list[Request] = []
+        source: list[tuple[int, bool]] = []
+        for req in requests:
+            key = prepare_key(req)
+            if key is not None and key in first:
+                source.append((first[key], True))
+                continue
+            if key is not None:
+                first[key] = len(unique)
+            source.append((len(unique), False))
+            unique.append(req)
+        outs = run(unique)
+        return [_reused(outs[i]) if copy else outs[i] for i, copy in source]
+
+    return shared
+
+
+def share_prepares_async(run: Callable[[Request], Awaitable[Output]]
+                         ) -> Callable[[Request], Awaitable[Output]]:
+    """:func:`share_prepares` for :func:`drive_async`: a prepare identical to one still running
+    (for any plan driven with this ``run``) waits for it instead of computing it again."""
+    running: dict[tuple, asyncio.Future[Output]] = {}
+
+    async def shared(req: Request) -> Output:
+        key = prepare_key(req)
+        if key is None:
+            return await run(req)
+        if key in running:
+            return _reused(await asyncio.shield(running[key]))
+        task = asyncio.ensure_future(run(req))
+        running[key] = task
+        try:
+            return await task
+        finally:
+            if running.get(key) is task:
+                del running[key]
+
+    return shared
+
+
 async def drive_async(plans: list[Plan], run: Callable[[Request], Awaitable[Output]],
                       probe: Callable[[Probe], Awaitable[list[bool]]],
                       steps: Callable[[StepCount], Awaitable[list[Steps]]] | None = None,
@@ -499,5 +572,6 @@ __all__ = [
     "Metrics", "Output", "Plan", "Planner", "Probe", "QuerySettings", "Request", "Result", "Step",
     "StepCount", "Steps",
     "check_fits",
-    "drive", "drive_async", "gather", "missing",
+    "drive", "drive_async", "gather", "guarded", "missing", "prepare_key", "share_prepares",
+    "share_prepares_async",
 ]

@@ -93,3 +93,22 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         """``{"text", "metrics"}`` as the CLI prints it."""
         return {"text": self.text, "metrics": self.metrics.to_dict()}
+
+
+@dataclass(frozen=True, slots=True)
+class BulkAnswer:
+    """One query's answer in a bulk: its ``index`` in the bulk's input, and its ``result``,
+    or the ``error`` it failed with (the other queries of the bulk ran regardless)."""
+
+    index: int
+    result: Result | None = None
+    error: Exception | None = None
+
+    def __post_init__(self) -> None:
+        if (self.result is None) == (self.error is None):
+            raise ValueError("a bulk answer holds a result or an error, not both or neither")
+
+    @property
+    def ok(self) -> bool:
+        """Whether the query was answered."""
+        return self.error is None

@@ -32,11 +32,11 @@ PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
 #: The library's layers, top to bottom (ARCHITECTURE.md): a module imports from its own layer
 #: (without circles) or from a lower one. ``span_workflows.apps`` stands above them all.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "front": ("span_workflows", "runner", "backend", "engine", "serving", "serving.client",
-              "serving.app", "serving.service", "serving.launch", "serving.chat_route",
-              "serving.spnl_route", "scaleout", "scaleout.affinity", "scaleout.keys",
-              "scaleout.simulate", "scaleout.ray_router", "scaleout.deployment",
-              "tune", "tune.data", "tune.forward", "tune.train"),
+    "front": ("span_workflows", "runner", "backend", "engine", "bulk", "serving",
+              "serving.client", "serving.app", "serving.service", "serving.launch",
+              "serving.chat_route", "serving.spnl_route", "scaleout", "scaleout.affinity",
+              "scaleout.keys", "scaleout.simulate", "scaleout.ray_router", "scaleout.deployment",
+              "scaleout.bulk", "tune", "tune.data", "tune.forward", "tune.train"),
     "boundary": ("vllm_io", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments"),

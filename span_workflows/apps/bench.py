@@ -22,6 +22,8 @@ meaningful on a shared, noisy machine even when absolute times are not.
   (:mod:`span_workflows.apps.bench_lint`).
 * ``quality`` — answer accuracy of stock and every span mode on invented-fact RAG questions,
   with first-token KL and span-hit TTFT (:mod:`span_workflows.apps.bench_quality`).
+* ``bulk`` — a bulk of RAG queries in arrival order, shuffled and clustered by shared spans,
+  on one engine and on Ray actors (:mod:`span_workflows.apps.bench_bulk`).
 """
 
 from __future__ import annotations
@@ -232,6 +234,10 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         from span_workflows.apps.bench_route import run_route
 
         return run_route(argv)
+    if name == "bulk":
+        from span_workflows.apps.bench_bulk import run_bulk_bench
+
+        return run_bulk_bench(argv)
     from span_workflows.apps.bench_options import BENCHMARKS, bench_parser
 
     parser = bench_parser(name)

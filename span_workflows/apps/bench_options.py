@@ -7,7 +7,7 @@ from pathlib import Path
 
 #: The benchmarks, by name.
 BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route",
-              "lint")
+              "lint", "bulk")
 
 
 def _ints(text: str) -> list[int]:
@@ -87,7 +87,9 @@ def options_help() -> str:
             "  route       routers over span-engine replicas (its own options: "
             "bench route --help)\n"
             "  lint        span-workflows lint on a labelled set of commuting and ordered "
-            "pluses\n\n"
+            "pluses\n"
+            "  bulk        a bulk in arrival order vs random vs clustered, one engine and Ray "
+            "actors (its own options: bench bulk --help)\n\n"
             "benchmark " + options)
 
 

@@ -85,9 +85,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
     demo.set_defaults(func=_cmd_demo)
 
-    run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine",
+    run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine, "
+                                     "or a bulk of them (JSON lines) scheduled by their spans",
                          parents=[common])
-    run.add_argument("files", nargs="+", type=Path,
+    run.add_argument("files", nargs="*", type=Path,
                      help="span queries in JSON (spnl's IR), run in this order")
     run.add_argument("--json", action="store_true", help="print a JSON list of results")
     run.add_argument("--model", help="model for every g (name or local directory)")
@@ -97,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--stock", action="store_true", help="run as plain chat prompts (baseline)")
     run.add_argument("--block-size", type=int, default=32,
                      help="KV block size of the embedded engine (default: 32)")
+    _add_bulk_options(run)
     run.set_defaults(func=_cmd_run)
 
     comp = sub.add_parser("compile", help="print the optimized tree and token form",
@@ -341,7 +343,93 @@ def _is_default(name: str) -> bool:
     return name.lower() == DEFAULT_MODEL_NAME
 
 
+def _add_bulk_options(run: argparse.ArgumentParser) -> None:
+    """``run --bulk``: many queries from a JSON-lines file, answers to ``--out``."""
+    from span_workflows.bulk import DEFAULT_MAX_IN_FLIGHT, SCHEDULES
+
+    group = run.add_argument_group("bulk (many queries, scheduled by the spans they share)")
+    group.add_argument("--bulk", type=Path, metavar="QUERIES.jsonl",
+                       help="one span query per line; answered into --out, resumably")
+    group.add_argument("--out", type=Path, metavar="ANSWERS.jsonl",
+                       help="answers, one JSON line per query (with its input index); "
+                            "those already there are not asked again")
+    group.add_argument("--schedule", default="cluster", choices=SCHEDULES,
+                       help="order: cluster by shared spans (default), as given, or random")
+    group.add_argument("--max-in-flight", type=int, default=DEFAULT_MAX_IN_FLIGHT,
+                       help=f"queries run together (default: {DEFAULT_MAX_IN_FLIGHT})")
+    group.add_argument("--kv-cache-gib", type=int, default=2,
+                       help="KV cache of each embedded engine on CPU (default: 2)")
+    group.add_argument("--kv-cache-blocks", type=int, default=None,
+                       help="cap each embedded engine's KV cache at this many blocks")
+    group.add_argument("--replicas", type=int, default=None,
+                       help="run the bulk on N span-engine actors with Ray Data")
+    group.add_argument("--ray-address", default=None,
+                       help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")
+    group.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per Ray actor")
+    group.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per Ray actor")
+
+
+def _cmd_run_bulk(args: argparse.Namespace) -> int:
+    from span_workflows.apps.bulk_run import read_queries, run_bulk_file, summary
+
+    if args.files:
+        raise SpanQueryError("run", "give query files or --bulk, not both")
+    if args.out is None:
+        raise SpanQueryError("--out", "required with --bulk (where the answers go)")
+    if args.stock:
+        raise SpanQueryError("--stock", "not available with --bulk")
+    if args.max_in_flight < 1:
+        raise SpanQueryError("--max-in-flight", "must be at least 1")
+    read_queries(args.bulk)  # a missing or unreadable file is one line, before any engine
+    options = {"schedule": args.schedule, "max_in_flight": args.max_in_flight}
+    model = None if args.model is None or _is_default(args.model) else args.model
+    if args.server:
+        from span_workflows.serving.client import SpanServer
+
+        server = SpanServer(args.server, api_key=args.api_key)
+        report = run_bulk_file(lambda lines: server.iter_bulk(lines, **options), args.bulk,
+                               args.out)
+    elif args.replicas is not None or args.ray_address:
+        from span_workflows.scaleout.bulk import BulkOptions, run_bulk_on_ray
+
+        try:
+            bulk_options = BulkOptions(
+                replicas=args.replicas or 2, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
+                model=model, kv_cache_gib=args.kv_cache_gib,
+                kv_cache_blocks=args.kv_cache_blocks, block_size=args.block_size, **options)
+        except ValueError as exc:
+            raise SpanQueryError("run", str(exc)) from None
+
+        def on_ray(lines: list[str]):
+            return (got.answer for got in run_bulk_on_ray(lines, bulk_options,
+                                                          address=args.ray_address))
+
+        report = run_bulk_file(on_ray, args.bulk, args.out)
+    else:
+        if model is not None:
+            from span_workflows.model import resolve_model
+
+            resolve_model(model, progress=False)
+        from span_workflows.apps.progress import engine_loading
+        from span_workflows.engine import Engine
+
+        with engine_loading():
+            engine = Engine(model, block_size=args.block_size, progress=True,
+                            load_progress=args.verbose, kv_cache_gib=args.kv_cache_gib,
+                            kv_cache_blocks=args.kv_cache_blocks)
+        with engine:
+            report = run_bulk_file(lambda lines: engine.iter_bulk(lines, **options),
+                                   args.bulk, args.out)
+    print(summary(report, args.out))
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    if args.bulk is not None:
+        return _cmd_run_bulk(args)
+    if not args.files:
+        raise SpanQueryError("run", "no query files (give JSON files, or --bulk QUERIES.jsonl "
+                                    "--out ANSWERS.jsonl)")
     queries = load_queries(args.files)
     if args.server:
         from span_workflows.serving.client import SpanServer

@@ -31,6 +31,10 @@ class QueryRoute:
 
     keys: tuple[Any, ...]
     prompt: str = ""
+    #: tokens of the query's compiled prompts (its G's), spans included
+    prompt_tokens: int = 0
+    #: plus spans (and spans of nested outputs) in those prompts
+    spans: int = 0
 
     @property
     def span_tokens(self) -> int:
@@ -62,6 +66,7 @@ class QueryKeyer:
         except (SpanQueryError, RecursionError):
             return QueryRoute(())
         keys: list[SpanKey] = []
+        prompt_tokens = spans = 0
         prompt = ""  # the messages' text in the order sent (what a text-prefix router sees)
         for g in (n for n in iter_nodes(tree) if isinstance(n, Generate)):
             try:
@@ -69,10 +74,12 @@ class QueryKeyer:
             except (SpanQueryError, KeyError, ValueError):
                 continue
             keys.extend(SpanKey(h, self.block_size) for h in self.span_block_keys(tq, cache_salt))
+            prompt_tokens += len(tq.token_ids)
+            spans += sum(1 for s in tq.spans if s.kind in ("plus", "generated"))
         if self.with_prompt:
             prompt = "".join(str(getattr(n, "text", "")) for n in iter_nodes(node)
                              if isinstance(n, MESSAGE_TYPES))
-        return QueryRoute(tuple(keys), prompt)
+        return QueryRoute(tuple(keys), prompt, prompt_tokens, spans)
 
     def span_block_keys(self, tq: TokenizedQuery, cache_salt: str | None = None) -> list[bytes]:
         """Keys of the full blocks of ``tq``'s plus spans (and spans of nested outputs)."""

@@ -8,6 +8,8 @@ FastAPI app and engine client (``AsyncLLM``, engine core in its own process, whe
 * ``POST /v1/query/execute`` — span queries, plain or streamed (the protocol:
   :mod:`span_workflows.serving.wire`), executed by a
   :class:`~span_workflows.serving.service.SpanQueryService`;
+* ``POST /v1/query/bulk`` — many queries as JSON lines, scheduled by the spans they share
+  (:mod:`span_workflows.bulk`), answered as JSON lines streamed as each answer is ready;
 * spnl's request form on the same path (``text/plain``, ``?stream=``, ``?format=``), answered
   in OpenAI shapes (:mod:`span_workflows.serving.spnl_route`), and ``GET /v1/query/schema``
   (:mod:`span_workflows.serving.query_schema`);
@@ -35,6 +37,7 @@ from span_vllm import contract
 from span_workflows.errors import SpanQueryError
 from span_workflows.layout import SpanOptions
 from span_workflows.model import span_defaults
+from span_workflows.result import BulkAnswer
 from span_workflows.serving import wire
 from span_workflows.serving.chat_route import install_chat_route
 from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
@@ -91,7 +94,50 @@ def make_router(max_body: int = wire.MAX_BODY_BYTES) -> Any:
                                     status_code=400)
             raise
 
+    @router.post(wire.BULK_PATH)
+    async def execute_bulk(request: HttpRequest) -> Any:
+        service: SpanQueryService = request.app.state.span_service
+        try:
+            body = await _read_body(request, max(max_body, wire.MAX_BULK_BODY_BYTES))
+            schedule, max_in_flight = _bulk_options(request)
+        except BodyTooLarge:
+            return JSONResponse(wire.too_large_body(max(max_body, wire.MAX_BULK_BODY_BYTES)),
+                                status_code=413)
+        except SpanQueryError as exc:
+            return JSONResponse(wire.error_body(exc), status_code=400)
+        queries = wire.parse_bulk_body(body)
+
+        async def lines() -> Any:
+            async for answer in service.execute_bulk(queries, schedule=schedule,
+                                                     max_in_flight=max_in_flight):
+                if answer.error is not None and _is_validation_error(answer.error):
+                    answer = BulkAnswer(answer.index,
+                                        error=SpanQueryError("input", str(answer.error)))
+                yield wire.bulk_answer_line(answer)
+
+        return StreamingResponse(lines(), media_type=wire.NDJSON_MEDIA_TYPE,
+                                 headers={"Cache-Control": "no-cache"})
+
     return router
+
+
+def _bulk_options(request: Any) -> tuple[str, int]:
+    """``?schedule=`` and ``?max_in_flight=`` of a bulk request, checked."""
+    from span_workflows.bulk import DEFAULT_MAX_IN_FLIGHT, check_options
+
+    params = request.query_params
+    unknown = sorted(set(params) - {"schedule", "max_in_flight"})
+    if unknown:
+        raise SpanQueryError(unknown[0], "unknown option of a bulk (known: schedule, "
+                                         "max_in_flight)")
+    schedule = params.get("schedule", "cluster")
+    raw = params.get("max_in_flight", str(DEFAULT_MAX_IN_FLIGHT))
+    try:
+        max_in_flight = int(raw)
+    except ValueError:
+        raise SpanQueryError("max_in_flight", f"must be an integer >= 1, not {raw!r}") from None
+    check_options(schedule, max_in_flight)
+    return schedule, max_in_flight
 
 
 def _is_validation_error(exc: BaseException) -> bool:

@@ -15,6 +15,7 @@ URL, after ``retries`` further attempts; any other failure of the server raises
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,10 +24,10 @@ from typing import Any, TypeVar
 
 import httpx
 
-from span_workflows.errors import ServerError, ServerUnavailableError
+from span_workflows.errors import ServerError, ServerUnavailableError, SpanQueryError
 from span_workflows.ir import Node
 from span_workflows.layout import SpanOptions
-from span_workflows.result import Result
+from span_workflows.result import BulkAnswer, Result
 from span_workflows.serving import wire
 from span_workflows.streaming import AsyncTextStream, TextStream
 
@@ -89,6 +90,58 @@ class SpanServer:
                                        span_options=span_options, cache_salt=cache_salt),
                 queries,
             ))
+
+    def execute_bulk(self, queries: Sequence[Query], *, schedule: str = "cluster",
+                     max_in_flight: int = 8, optimize_query: bool = True,
+                     span_options: SpanOptions | str | None = None,
+                     cache_salt: str | None = None) -> list[BulkAnswer]:
+        """Run many queries in one ``POST /v1/query/bulk``, scheduled by the server (as
+        :meth:`Engine.execute_bulk <span_workflows.engine.Engine.execute_bulk>`); one
+        :class:`~span_workflows.result.BulkAnswer` per query, in input order. A query the
+        client cannot even encode is refused here (:class:`SpanQueryError`, naming it)."""
+        answers = list(self.iter_bulk(queries, schedule=schedule, max_in_flight=max_in_flight,
+                                      optimize_query=optimize_query,
+                                      span_options=span_options, cache_salt=cache_salt))
+        by_index = {a.index: a for a in answers}
+        missing = [i for i in range(len(queries)) if i not in by_index]
+        if missing:
+            raise ServerError(self.url, 200, f"the bulk answer lacks queries {missing[:10]}")
+        return [by_index[i] for i in range(len(queries))]
+
+    def iter_bulk(self, queries: Sequence[Query], *, schedule: str = "cluster",
+                  max_in_flight: int = 8, optimize_query: bool = True,
+                  span_options: SpanOptions | str | None = None,
+                  cache_salt: str | None = None) -> Iterator[BulkAnswer]:
+        """:meth:`execute_bulk`, each answer as the server sends it (when it is ready). A
+        query given as JSON text is sent as it is (with the call's options where it sets
+        none): one the server cannot parse is answered with its error, like any bad query."""
+        lines = []
+        for i, query in enumerate(queries):
+            try:
+                lines.append(wire.bulk_body([query], optimize_query=optimize_query,
+                                            span_options=span_options, cache_salt=cache_salt))
+            except SpanQueryError as exc:
+                raise SpanQueryError(f"queries[{i}]" + (f".{exc.path}" if exc.path else ""),
+                                     exc.message) from None
+        return self._bulk_lines(b"".join(lines), schedule, max_in_flight)
+
+    def _bulk_lines(self, body: bytes, schedule: str,
+                    max_in_flight: int) -> Iterator[BulkAnswer]:
+        request = self._client.build_request(
+            "POST", wire.BULK_PATH, content=body,
+            params={"schedule": schedule, "max_in_flight": str(max_in_flight)},
+            headers={"Content-Type": wire.NDJSON_MEDIA_TYPE})
+        response = self._retrying(lambda: self._client.send(request, stream=True))
+        try:
+            with self._reachable():
+                if response.status_code != 200:
+                    response.read()
+                    wire.parse_answer(response.status_code, response.text, self.url)  # raises
+                for line in response.iter_lines():
+                    if line.strip():
+                        yield wire.parse_bulk_answer(json.loads(line), self.url)
+        finally:
+            response.close()
 
     def stream(self, query: Query, *, optimize_query: bool = True,
                span_options: SpanOptions | str | None = None,

@@ -16,7 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from span_vllm import contract
+from span_workflows import bulk
 from span_workflows.compile import Compiler
+from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Node
 from span_workflows.layout import SpanOptions
 from span_workflows.plan import (
@@ -28,8 +30,11 @@ from span_workflows.plan import (
     StepCount,
     Steps,
     drive_async,
+    guarded,
+    share_prepares_async,
 )
-from span_workflows.result import Result
+from span_workflows.result import BulkAnswer, Result
+from span_workflows.serving.wire import QueryBody
 from span_workflows.streaming import PartStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
@@ -42,9 +47,12 @@ class SpanQueryService:
                  span_options: SpanOptions | None = None) -> None:
         self.engine = engine_client
         self.layout_key = layout_key
+        self.tokenizer = tokenizer
+        self.block_size = block_size
         self.planner = Planner(Compiler.for_tokenizer(tokenizer, block_size,
                                                       options=span_options), max_model_len)
         self.stats: dict[str, int] = dict.fromkeys(contract.STAT_HELP, 0)
+        self._keyer: Any = None
 
     async def execute(self, node: Node, *, optimize_query: bool = True,
                       stream: PartStream | None = None, span_options: SpanOptions | None = None,
@@ -62,6 +70,73 @@ class SpanQueryService:
 
         [result] = await drive_async([plan], run, self._probe, self._steps)
         return result
+
+    def cache_tokens(self) -> int:
+        """The engine's KV cache in tokens (vLLM's block count, known once the engine core
+        started, x block size; 0 if unknown)."""
+        config = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
+        blocks = getattr(config, "num_gpu_blocks", None) or 0
+        return int(blocks) * self.block_size
+
+    async def execute_bulk(self, queries: list[QueryBody | SpanQueryError], *,
+                           schedule: str = "cluster",
+                           max_in_flight: int = bulk.DEFAULT_MAX_IN_FLIGHT,
+                           seed: int = 0) -> AsyncIterator[BulkAnswer]:
+        """Run a bulk (see :mod:`span_workflows.bulk`): its answers as each is ready. The
+        queries start in schedule order, at most ``max_in_flight`` and half the cache in
+        prompt tokens at once (a new one as soon as one ends); identical prepares of the
+        queries in flight run once."""
+        from span_workflows.scaleout.keys import QueryKeyer
+
+        bulk.check_options(schedule, max_in_flight)
+        for index, query in enumerate(queries):
+            if isinstance(query, SpanQueryError):
+                yield BulkAnswer(index, error=query)
+        if self._keyer is None:
+            self._keyer = QueryKeyer(self.tokenizer, self.block_size)
+        items = bulk.key_items(queries, self._keyer, self.planner.compiler.options)
+        cache = self.cache_tokens() or sum(i.prompt_tokens for i in items) or 1
+        order = bulk.schedule_items(items, schedule, cache, seed=seed).order
+        sizes = {item.index: item.prompt_tokens for item in items}
+        run = share_prepares_async(lambda req: self._run(req, None))
+        running: dict[asyncio.Task[Result | SpanQueryError], int] = {}
+        budget, used, at = bulk.WINDOW_FILL * cache, 0, 0
+        try:
+            while at < len(order) or running:
+                while at < len(order) and (not running or (
+                        len(running) < max_in_flight and used + sizes[order[at]] <= budget)):
+                    index = order[at]
+                    task = asyncio.ensure_future(self._bulk_one(queries[index], run))
+                    running[task] = index
+                    used += sizes[index]
+                    at += 1
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = running.pop(task)
+                    used -= sizes[index]
+                    try:
+                        outcome: Result | Exception = task.result()
+                    except Exception as exc:  # noqa: BLE001 - this query's answer
+                        outcome = exc
+                    yield (BulkAnswer(index, error=outcome) if isinstance(outcome, Exception)
+                           else BulkAnswer(index, result=outcome))
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+
+    async def _bulk_one(self, query: QueryBody,
+                        run: Callable[[Request], Awaitable[Output]]) -> Result | SpanQueryError:
+        """One query of a bulk; its error (if invalid) as its outcome."""
+        options = query.span_options or self.planner.compiler.options
+        try:
+            plan = guarded(self.planner.plan_query(
+                self.planner.normalize(query.node, query.optimize), True,
+                QuerySettings(options, query.cache_salt)))
+        except SpanQueryError as exc:
+            return exc
+        [outcome] = await drive_async([plan], run, self._probe, self._steps)
+        return outcome
 
     async def _probe(self, step: Probe) -> list[bool]:
         """One utility call per cache salt (usually one for the whole probe)."""

@@ -23,11 +23,22 @@ is generated, then ``data: {"done": true, <the answer's keys>}``, or ``data: {"e
 {"message", "type"}}`` if it fails after the first delta (:func:`delta_event`,
 :func:`done_event`, :func:`error_event`, :func:`sse`; read by :func:`parse_event`). A query that
 fails before its first delta gets a plain error answer instead.
+
+**Bulk** (``POST`` :data:`BULK_PATH`, at most :data:`MAX_BULK_BODY_BYTES`): JSON lines, one
+query per non-blank line (bare or wrapped as above; ``stream`` is ignored), and the bulk's own
+options in the URL: ``?schedule=cluster|given|random&max_in_flight=N``. The answer (200,
+:data:`NDJSON_MEDIA_TYPE`) is one JSON line per query, written as soon as that query is
+answered (not in input order): ``{"index": i, <the answer's keys>}``, or ``{"index": i,
+"error": {"message", "type", "path"}}`` for a query that failed (``type`` ``invalid_query``,
+or ``internal_error``); ``i`` counts the body's non-blank lines from 0. A bad line fails alone.
+Written by :func:`bulk_body` / :func:`bulk_answer_line`, read by :func:`parse_bulk_body` /
+:func:`parse_bulk_answer`; the CLI's ``run --bulk --out`` file holds the same lines.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +46,7 @@ from span_workflows.errors import ServerError, SpanQueryError
 from span_workflows.ir import Node
 from span_workflows.json_ir import from_json, parse_json, to_obj
 from span_workflows.layout import SpanOptions
-from span_workflows.result import Metrics, Result
+from span_workflows.result import BulkAnswer, Metrics, Result
 from span_workflows.sampling import ToolCall
 
 EXECUTE_PATH = "/v1/query/execute"
@@ -46,6 +57,12 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 WRAPPER_KEYS = frozenset({"query", "stream", "optimize", "span_options", "cache_salt"})
 #: ``Content-Type`` of a stream.
 SSE_MEDIA_TYPE = "text/event-stream"
+#: Many queries at once (JSON lines in, JSON lines out).
+BULK_PATH = "/v1/query/bulk"
+#: Largest bulk request body the server reads (bytes), unless configured otherwise.
+MAX_BULK_BODY_BYTES = 256 * 1024 * 1024
+#: ``Content-Type`` of JSON lines (a bulk's body and its answer).
+NDJSON_MEDIA_TYPE = "application/x-ndjson"
 
 
 # -- requests --------------------------------------------------------------------------------
@@ -180,6 +197,93 @@ def _query_error(status: int, data: Any, text: str) -> SpanQueryError:
     return SpanQueryError(path, message)
 
 
+# -- bulk ------------------------------------------------------------------------------------
+
+
+def bulk_line(query: Node | dict | list | str, *, optimize_query: bool = True,
+              span_options: SpanOptions | str | dict | None = None,
+              cache_salt: str | None = None) -> str:
+    """One line of a bulk request: the query wrapped with the call's options where it sets
+    none. A JSON text that does not parse is sent as it is (on one line), for the server to
+    report in that query's answer."""
+    if isinstance(query, str):
+        try:
+            query = json.loads(query)
+        except ValueError:
+            return " ".join(query.splitlines())
+    if isinstance(query, dict) and "query" in query and set(query) <= WRAPPER_KEYS:
+        body = {k: v for k, v in query.items() if k != "stream"}
+    else:
+        body = {"query": to_obj(query) if not isinstance(query, (dict, list)) else query}
+    if not optimize_query:
+        body.setdefault("optimize", False)
+    if span_options is not None and "span_options" not in body:
+        body["span_options"] = SpanOptions.coerce(span_options).as_dict()
+    if cache_salt is not None:
+        body.setdefault("cache_salt", cache_salt)
+    return json.dumps(body, ensure_ascii=False)
+
+
+def bulk_body(queries: Sequence[Node | dict | list | str], *, optimize_query: bool = True,
+              span_options: SpanOptions | str | dict | None = None,
+              cache_salt: str | None = None) -> bytes:
+    """The JSON lines of a bulk request (:func:`bulk_line` each)."""
+    lines = [bulk_line(q, optimize_query=optimize_query, span_options=span_options,
+                       cache_salt=cache_salt) for q in queries]
+    return ("\n".join(lines) + "\n").encode()
+
+
+def parse_bulk_body(body: bytes | str) -> list[QueryBody | SpanQueryError]:
+    """The queries of a bulk body, one per non-blank line; a line that is not a valid query
+    gives its :class:`SpanQueryError` in its place (the rest still run)."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    out: list[QueryBody | SpanQueryError] = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(parse_body(line.encode()))
+        except SpanQueryError as exc:
+            out.append(exc)
+        except (RecursionError, MemoryError) as exc:
+            out.append(SpanQueryError("", f"query too large to process ({type(exc).__name__})"))
+    return out
+
+
+def bulk_answer(answer: BulkAnswer) -> dict[str, Any]:
+    """One answer of a bulk as JSON: the index and the answer's keys, or the error."""
+    if answer.result is not None:
+        return {"index": answer.index, **result_body(answer.result)}
+    exc = answer.error
+    if isinstance(exc, SpanQueryError):
+        return {"index": answer.index, **error_body(exc)}
+    return {"index": answer.index, "error": {"message": str(exc) or type(exc).__name__,
+                                             "type": "internal_error", "path": ""}}
+
+
+def bulk_answer_line(answer: BulkAnswer) -> bytes:
+    """:func:`bulk_answer` as one JSON line."""
+    return (json.dumps(bulk_answer(answer), ensure_ascii=False) + "\n").encode()
+
+
+def parse_bulk_answer(data: dict[str, Any], url: str = "") -> BulkAnswer:
+    """The :class:`BulkAnswer` of one answer line's JSON object (an ``invalid_query`` error
+    as :class:`SpanQueryError`, any other as :class:`ServerError`)."""
+    index = data.get("index")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise ServerError(url, 200, f"a bulk answer without a valid index: {str(data)[:200]}")
+    err = data.get("error")
+    if err is None:
+        return BulkAnswer(index, result=parse_result(data))
+    err = err if isinstance(err, dict) else {"message": str(err)}
+    message, path = str(err.get("message") or "unknown error"), str(err.get("path") or "")
+    if err.get("type") == "invalid_query":
+        if path and message.startswith(f"{path}: "):
+            message = message[len(path) + 2:]
+        return BulkAnswer(index, error=SpanQueryError(path, message))
+    return BulkAnswer(index, error=ServerError(url, 500, message))
+
+
 # -- streams ---------------------------------------------------------------------------------
 
 
@@ -227,6 +331,8 @@ def parse_event(line: str, url: str) -> str | Result | None:
 
 
 __all__ = [
+    "BULK_PATH", "MAX_BULK_BODY_BYTES", "NDJSON_MEDIA_TYPE", "bulk_answer", "bulk_answer_line",
+    "bulk_body", "bulk_line", "parse_bulk_answer", "parse_bulk_body",
     "EXECUTE_PATH", "HEALTH_PATH", "MAX_BODY_BYTES", "QueryBody", "SSE_MEDIA_TYPE",
     "WRAPPER_KEYS", "delta_event", "done_event", "error_body", "error_event", "parse_answer",
     "parse_body", "parse_event", "parse_result", "request_body", "result_body", "sse",

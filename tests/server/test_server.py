@@ -200,3 +200,29 @@ def test_client_matches_raw_http(server: str, http: httpx.Client) -> None:
     assert sync.metrics.generated_tokens == raw["metrics"]["generated_tokens"]
     assert asynced.metrics.cached_tokens > 0
     assert len(both) == 2 and "Paris" in both[1].text
+
+
+def test_a_bulk_streams_one_line_per_query_and_a_bad_line_fails_alone(http, server) -> None:
+    from span_workflows.serving import wire
+
+    queries = [_rag(DOCS), _rag(DOCS[1:]), _rag(DOCS[::-1])]
+    body = wire.bulk_body(queries[:2]) + b'{"g": {"input": "oops"\n' + wire.bulk_body(
+        queries[2:])
+    with http.stream("POST", wire.BULK_PATH + "?schedule=cluster&max_in_flight=2",
+                     content=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith(wire.NDJSON_MEDIA_TYPE)
+        rows = [json.loads(line) for line in resp.iter_lines() if line.strip()]
+    assert sorted(r["index"] for r in rows) == [0, 1, 2, 3]
+    by_index = {r["index"]: r for r in rows}
+    assert by_index[2]["error"]["type"] == "invalid_query"
+    assert "Paris" in by_index[0]["text"] and by_index[3]["text"] == by_index[0]["text"]
+    # the client: input order, the bad query's error in its place
+    with SpanServer(server, api_key=API_KEY) as client:
+        answers = client.execute_bulk([queries[0], "{oops", queries[1]], schedule="given")
+    assert [a.ok for a in answers] == [True, False, True]
+    assert isinstance(answers[1].error, SpanQueryError)
+    assert answers[0].result.text == by_index[0]["text"]
+    assert answers[2].result.text == by_index[1]["text"]
+    bad = http.post(wire.BULK_PATH + "?schedule=fastest", content=body)
+    assert bad.status_code == 400 and "schedule" in bad.json()["error"]["message"]

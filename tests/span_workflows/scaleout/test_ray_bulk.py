@@ -1,0 +1,80 @@
+"""A bulk on Ray Data with two real SmolLM2-135M span engines (CPU actors): whole clusters to
+one engine each, the answers of the single engine, and an engine killed while the bulk runs
+whose cluster is run again elsewhere (every query answered once)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from span_workflows.builders import rag
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+pytestmark = pytest.mark.engine
+
+SYSTEM = "Answer in a few words."
+TOPICS = ["harbors", "orchards", "comets", "violins", "glaciers", "lanterns"]
+#: six topics of three notes; two queries per topic, each reading two of its notes
+DOCS = {t: [f"Note {j} on {t}: " + f"{t} are discussed in this note at length. " * 3
+            for j in range(3)] for t in TOPICS}
+QUERIES = [rag(SYSTEM, [DOCS[t][j], DOCS[t][(j + 1) % 3]], f"Which note on {t} is first?",
+               max_tokens=4) for j in range(2) for t in TOPICS]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    from span_workflows.scaleout.bulk import forwarded_env
+
+    monkeypatch = pytest.MonkeyPatch()
+    # a shared machine: Ray's memory monitor would kill workers for others' memory use
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": forwarded_env()})
+    yield
+    ray.shutdown()
+    monkeypatch.undo()
+
+
+def engine_actors() -> list:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")], detail=True)
+            if "SpanEngineActor" in a.class_name]
+
+
+def test_clusters_run_whole_and_a_killed_engines_cluster_is_redone(local_ray, engine) -> None:
+    from span_workflows.scaleout.bulk import BulkOptions, cluster_rows, run_bulk_on_ray
+
+    # clusters sized for a cache that holds one topic's notes and queries, not two: six
+    # clusters; each engine's own cache is 64 blocks (2048 tokens: small in memory)
+    options = BulkOptions(replicas=2, num_cpus=1, kv_cache_gib=1, kv_cache_blocks=64,
+                          max_in_flight=2, cache_tokens=1200)
+    rows, errors = cluster_rows(QUERIES, options, engine.tokenizer)
+    assert not errors and len(rows) == len(TOPICS)
+    cluster_of = {i: row["cluster"] for row in rows for i in row["indices"]}
+    answers: list[tuple[int, str, bool]] = []  # index, engine, after the kill
+    texts: dict[int, str] = {}
+    killed = None
+    for got in run_bulk_on_ray(QUERIES, options):
+        answer, name = got.answer, got.engine
+        assert answer.ok, answer.error
+        answers.append((answer.index, name, killed is not None))
+        texts[answer.index] = answer.result.text
+        if killed is None:  # the first cluster is back: kill the other engine, mid-cluster
+            first_pid = int(name.rsplit(":", 1)[1])
+            others = [a.pid for a in engine_actors() if a.pid != first_pid]
+            assert others, "the second engine is not up"
+            killed = others[0]
+            os.kill(killed, signal.SIGKILL)
+    assert sorted(i for i, _, _ in answers) == list(range(len(QUERIES)))  # each once
+    pid = {i: int(name.rsplit(":", 1)[1]) for i, name, _ in answers}
+    assert len(set(pid.values())) >= 2
+    assert all(pid[i] != killed for i, _, late in answers if late)  # nothing from the dead
+    for cluster in set(cluster_of.values()):  # a cluster was answered whole by one engine
+        assert len({pid[i] for i in cluster_of if cluster_of[i] == cluster}) == 1
+    # the answers of one engine in this process
+    reference = engine.execute_bulk(QUERIES)
+    assert texts == {a.index: a.result.text for a in reference}
