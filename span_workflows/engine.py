@@ -17,6 +17,7 @@ them out as they come (the engine runs in a worker thread meanwhile).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import os
@@ -60,8 +61,11 @@ class Engine:
 
     ``model``: ``None``/``"smollm2-135m-instruct"`` for the bundled default or a local Hugging
     Face model directory. ``block_size`` is the KV block size (a multiple of 32 on CPU).
-    ``crop`` drops partial trailing blocks of nested outputs. ``kv_cache_gib`` sizes the CPU
-    KV cache. ``locality_fanin`` (>= 2) turns on the attention-locality rewrite.
+    ``align`` is how a G reads the G's nested under its plus (``"recompute"``, ``"pad"``,
+    ``"bias"`` or ``"crop"``; :mod:`span_workflows.layout`; default ``span_options.align``);
+    ``crop=True``/``False`` is the older spelling of ``align="crop"``/``"recompute"``.
+    ``kv_cache_gib`` sizes the CPU KV cache. ``locality_fanin`` (>= 2) turns on the
+    attention-locality rewrite.
     ``span_options`` (a :class:`~span_workflows.layout.SpanOptions`, or ``"prefix"`` /
     ``"self"``) says what plus spans attend to and how they are laid out; every ``execute``
     call may override it. ``load_progress=False`` hides vLLM's weight-loading bar.
@@ -74,7 +78,7 @@ class Engine:
         block_size: int = 32,
         kv_cache_gib: int = 2,
         max_model_len: int | None = None,
-        crop: bool = True,
+        crop: bool | None = None,
         dtype: str = "float32",
         seed: int = 0,
         max_num_seqs: int = 64,
@@ -82,9 +86,10 @@ class Engine:
         locality_fanin: int | None = None,
         span_options: SpanOptions | str | None = None,
         load_progress: bool = True,
+        align: str | None = None,
     ) -> None:
         self.locality_fanin = locality_fanin
-        self.span_options = SpanOptions.coerce(span_options)
+        self.span_options = engine_options(span_options, align=align, crop=crop)
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
         self.model_name = DEFAULT_MODEL_NAME if model is None else str(model)
         from transformers import AutoTokenizer
@@ -111,12 +116,14 @@ class Engine:
             # generated.
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
             use_tqdm_on_load=load_progress,
+            # The plugin's block alignment of nested outputs (align="pad"/"bias").
+            logits_processors=list(contract.LOGITS_PROCESSORS),
         )
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len
         self.renderer = ChatRenderer(self.tokenizer)
-        self.compiler = Compiler(self.renderer, self.layout_tokens, block_size, crop=crop,
-                                 options=self.span_options)
+        self.compiler = Compiler(self.renderer, self.layout_tokens, block_size,
+                                 options=self.span_options, end_ids=self._end_ids())
         self.planner = Planner(self.compiler, self.max_model_len,
                                locality_fanin=locality_fanin)
         self._ids = itertools.count()
@@ -229,6 +236,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _end_ids(self) -> tuple[int, ...]:
+        """The model's end-of-turn tokens: the tokenizer's EOS and the generation config's."""
+        ids = [self.tokenizer.eos_token_id]
+        config = self._engine.model_config.try_get_generation_config() or {}
+        more = config.get("eos_token_id")
+        ids += [more] if isinstance(more, int) else list(more or [])
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
     # -- the engine loop ------------------------------------------------------------------------
     def _settings(self, span_options: SpanOptions | str | None, cache_salt: str | None,
@@ -368,6 +383,16 @@ def _salt(value: str | None) -> str | None:
     return value
 
 
+def engine_options(span_options: SpanOptions | str | None = None, *, align: str | None = None,
+                   crop: bool | None = None) -> SpanOptions:
+    """An engine's default :class:`SpanOptions`: ``span_options`` with ``align`` set, or
+    ``crop`` in its older spelling (``True``: ``"crop"``, ``False``: ``"recompute"``)."""
+    options = SpanOptions.coerce(span_options)
+    if align is None and crop is not None:
+        align = "crop" if crop else "recompute"
+    return options if align is None else dataclasses.replace(options, align=align)
+
+
 def _prepare_environment(kv_cache_gib: int) -> str:
     """The plugin's span-mode environment (:func:`span_vllm.contract.enable`) for an engine
     core in this process, reading a local model; returns the layout key."""
@@ -381,4 +406,5 @@ def available_models() -> Iterable[str]:
     return (DEFAULT_MODEL_NAME,)
 
 
-__all__ = ["Engine", "Metrics", "ModelNotAvailableError", "Result", "StreamClosed"]
+__all__ = ["Engine", "Metrics", "ModelNotAvailableError", "Result", "StreamClosed",
+           "engine_options"]
