@@ -11,7 +11,8 @@ for stock (the drafts pasted as chat turns, vLLM's prefix caching): per row
   included), and ``speedup`` = stock's / this; ``judge_steps`` the engine steps of that part;
 * ``fill_tokens`` — mean tokens each draft generated after its text to fill its block,
   ``draft_steps`` the engine steps until the last draft ended, ``drafts_s`` the time until
-  then (the fill's cost is the difference to ``crop``'s);
+  then (the fill's cost is the difference to ``crop``'s); ``total_ttft_s`` — from the query's
+  submission to the judge's first token (drafts and judge);
 * for ``bias``, ``same_text`` — the share of drafts whose text equals the unbiased (``pad``)
   draft's, and ``length_change`` — the mean absolute change of their length, in tokens.
 
@@ -118,6 +119,7 @@ def bench_nested_align(engine: Any, fanouts: Sequence[int], reps: int,
                 "draft_steps": int(med(max(d.steps_to_end for d in _drafts(r))
                                        for r in results)),
                 "drafts_s": med(max(d.metrics.latency_s for d in _drafts(r)) for r in results),
+                "total_ttft_s": med(r.metrics.ttft_s for r in results),
                 "draft_tokens": statistics.fmean(len(d.token_ids) for d in drafts),
             }
             if name == "bias" and "pad" in runs:
@@ -211,7 +213,7 @@ def nested_markdown(rows: list[dict[str, Any]]) -> str:
     head = ["fan-out", "align", "judge TTFT (s)", "speedup vs stock", "speedup / crop's",
             "judge steps", "draft tokens read from cache", "tokens lost / draft",
             "fill tokens / draft", "draft steps (+ vs crop)", "drafts (s) (+ vs crop)",
-            "bias: same text, |Δ length|"]
+            "drafts + judge TTFT (s)", "bias: same text, |Δ length|"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         bias = (f"{r['same_text']:.2f}, {r['length_change']:.1f}" if "same_text" in r else "")
@@ -221,7 +223,8 @@ def nested_markdown(rows: list[dict[str, Any]]) -> str:
             f"{100 * r['cached_share']:.1f} %", f"{r['lost_tokens']:.1f}",
             f"{r['fill_tokens']:.1f}",
             f"{r['draft_steps']} ({r.get('extra_draft_steps', 0):+d})",
-            f"{r['drafts_s']:.1f} ({r.get('extra_drafts_s', 0.0):+.1f})", bias]) + " |")
+            f"{r['drafts_s']:.1f} ({r.get('extra_drafts_s', 0.0):+.1f})",
+            f"{r.get('total_ttft_s', r['drafts_s'] + r['judge_ttft_s']):.1f}", bias]) + " |")
     return "\n".join(lines) + "\n"
 
 
