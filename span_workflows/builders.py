@@ -67,14 +67,16 @@ def g(
     temperature: float = DEFAULT_TEMPERATURE,
     n: int = 1,
     model: str | None = None,
+    align: str | None = None,
     **sampling: Any,
 ) -> Generate:
     """A generation over ``input``: a node, a str (a user message) or a list/tuple (a cross).
 
-    ``max_tokens`` 0 means up to the model's limit; ``n`` is the number of samples. Other
-    keywords are sampling options (:meth:`span_workflows.sampling.Sampling.from_options`:
-    ``top_p``, ``stop``, ``json_schema``, ``tools``, ...); an unknown one raises
-    ``ValueError``.
+    ``max_tokens`` 0 means up to the model's limit; ``n`` is the number of samples. ``align``
+    is how this G reads the G's nested under a plus in its input (``"recompute"``, ``"pad"``,
+    ``"bias"``, ``"crop"``; default: the query's). Other keywords are sampling options
+    (:meth:`span_workflows.sampling.Sampling.from_options`: ``top_p``, ``stop``,
+    ``json_schema``, ``tools``, ...); an unknown one raises ``ValueError``.
     """
     if isinstance(input, (list, tuple)):
         node: Node = Cross(_nodes(input, "input"))
@@ -82,7 +84,7 @@ def g(
         node = _node(input, "input")
     return _checked(
         Generate(node, max_tokens, _temperature(temperature), n, model,
-                 sampling=Sampling.from_options(sampling))
+                 sampling=Sampling.from_options(sampling), align=align)
     )
 
 
@@ -160,11 +162,13 @@ def judge_generator(
     temperature: float = 0.5,
     judge_temperature: float = 0.0,
     model: str | None = None,
+    align: str | None = None,
 ) -> Generate:
     """The judge/generator pattern: ``G(x([S], repeat(n, G(U(generator_prompt))), U(judge)))``.
 
     ``n`` drafts are sampled from the generator prompt, then one judging generation reads them
-    all (their order carries no meaning) followed by the judge prompt.
+    all (their order carries no meaning) followed by the judge prompt; ``align`` is how the
+    judge reads them (default: the query's ``SpanOptions.align``).
     """
     generator = Generate(
         User(_text(generator_prompt, "generator_prompt")),
@@ -177,7 +181,8 @@ def judge_generator(
     parts.append(User(_text(judge_prompt, "judge_prompt")))
     return _checked(
         Generate(
-            Cross(tuple(parts)), judge_max_tokens, _temperature(judge_temperature), model=model
+            Cross(tuple(parts)), judge_max_tokens, _temperature(judge_temperature), model=model,
+            align=align,
         )
     )
 

@@ -27,15 +27,18 @@ Link blocks (``SpanOptions.link_blocks``) are computed by *link* requests, one p
 reads the plus's context and the earlier spans of the plus as cached, so they run in one step.
 
 A G nested under a plus (``inline_prompt``) contributes its own prompt followed by its output, as
-an isolated span; a partial trailing block of that output is cropped (``crop=True``) because
-vLLM caches whole blocks only. A prompt without plus spans has no segments and no padding: it is
+an isolated span. vLLM caches whole blocks only, so how the output's partial last block is read
+is the reading G's ``align`` (:mod:`span_workflows.layout`): ``"crop"`` drops it; every other
+alignment keeps every token and pads the span to a block boundary with the pad token (a prepare
+computes that block, unless the draft's own request filled it with the same pad tokens, when the
+probe finds it cached). A prompt without plus spans has no segments and no padding: it is
 exactly the stock chat prompt.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from span_vllm.contract import ANCHORED, ISOLATED, ORDERED, Segments
@@ -53,7 +56,7 @@ from span_workflows.ir import (
     child_path,
     role_of,
 )
-from span_workflows.layout import LayoutTokens, SpanOptions
+from span_workflows.layout import Align, LayoutTokens, SpanOptions
 from span_workflows.render import ChatRenderer
 
 SpanKind = Literal["prefix", "plus", "cross", "generated"]
@@ -195,28 +198,52 @@ def nested_generations(g: Generate) -> list[tuple[str, Generate]]:
     return found
 
 
-@dataclass
 class Compiler:
     """Compiles optimized trees for one tokenizer, layout tokens and KV block size.
 
     ``options`` are the default :class:`SpanOptions`; :meth:`compile_generate` takes others
-    per query.
+    per query. ``crop`` (``True``/``False``) is the older spelling of ``options.align``
+    (``"crop"``/``"recompute"``); ``end_ids`` are the model's end-of-turn tokens (default: the
+    tokenizer's EOS), where a draft's text ends.
     """
 
-    renderer: ChatRenderer
-    tokens: LayoutTokens
-    block_size: int
-    crop: bool = True
-    options: SpanOptions = field(default_factory=SpanOptions)
+    def __init__(self, renderer: ChatRenderer, tokens: LayoutTokens, block_size: int,
+                 crop: bool | None = None, options: SpanOptions | None = None,
+                 end_ids: tuple[int, ...] = ()) -> None:
+        self.renderer = renderer
+        self.tokens = tokens
+        self.block_size = block_size
+        self.options = options or SpanOptions()
+        if crop is not None:
+            self.crop = crop
+        eos = getattr(renderer.tokenizer, "eos_token_id", None)
+        self.end_ids = tuple(end_ids) or ((eos,) if eos is not None else ())
+
+    @property
+    def crop(self) -> bool:
+        """Whether nested outputs are cropped by default (``options.align == "crop"``)."""
+        return self.options.align == "crop"
+
+    @crop.setter
+    def crop(self, value: bool) -> None:
+        self.options = replace(self.options, align="crop" if value else "recompute")
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, block_size: int, *, crop: bool = True,
-                      options: SpanOptions | None = None) -> Compiler:
+    def for_tokenizer(cls, tokenizer: Any, block_size: int, *, crop: bool | None = None,
+                      options: SpanOptions | None = None,
+                      end_ids: tuple[int, ...] = ()) -> Compiler:
         """A compiler for ``tokenizer`` with its chat template and layout tokens."""
         options = options or SpanOptions()
         return cls(ChatRenderer(tokenizer), LayoutTokens.for_tokenizer(tokenizer,
                                                                         options.pad_text),
-                   block_size, crop, options)
+                   block_size, crop, options, end_ids)
+
+    def pad_id(self, options: SpanOptions | None = None) -> int:
+        """The pad token of ``options`` (one token of ``options.pad_text``)."""
+        options = options or self.options
+        if options.pad_text == "\n":
+            return self.tokens.pad
+        return LayoutTokens.for_tokenizer(self.renderer.tokenizer, options.pad_text).pad
 
     def inner_prompt(self, g: Generate, options: SpanOptions | None = None) -> SpanPrompt:
         """Prompt of a G nested under a plus: an isolated span of its own messages from
@@ -245,7 +272,8 @@ class Compiler:
         options = options or self.options
         items = _top_items(g.input)
         if span_mode:
-            tq = _Builder(self, nested, options).build(items, g)
+            tq = _Builder(self, nested, replace(options, align=alignment(g, options))).build(
+                items, g)
         else:
             tokens = self.renderer.conversation(
                 _flatten_stock(items, nested), generation_prompt=True
@@ -266,9 +294,8 @@ class _Builder:
         self.c = compiler
         self.nested = nested
         self.options = options
-        self.pad_id = (compiler.tokens.pad if options.pad_text == "\n"
-                       else LayoutTokens.for_tokenizer(compiler.renderer.tokenizer,
-                                                       options.pad_text).pad)
+        self.pad_id = compiler.pad_id(options)
+        self.align: Align = options.align
         self.tokens: list[int] = []
         self.spans: list[Span] = []
         self.segments: list[tuple] = []
@@ -406,7 +433,7 @@ class _Builder:
             content = len(seg)
             computed = len(seg) - 1  # the last sampled token never had its KV computed
             keep = (computed // self.c.block_size) * self.c.block_size
-            if self.c.crop and keep >= len(out.prompt_ids):
+            if self.align == "crop" and keep >= len(out.prompt_ids):
                 seg = seg[:keep]
             else:
                 seg, _ = self._pad([], seg, len(seg), "after")
@@ -440,6 +467,11 @@ class _Builder:
               pad_at: int) -> None:
         self.spans.append(Span(len(self.tokens), len(seg), kind, content, label, pad_at))
         self.tokens.extend(seg)
+
+
+def alignment(g: Generate, options: SpanOptions) -> Align:
+    """How ``g`` reads the G's nested under its plus: its own ``align``, else the query's."""
+    return g.align or options.align  # type: ignore[return-value]
 
 
 def _top_items(node: Node) -> list[tuple[str, Node]]:

@@ -17,6 +17,7 @@ them out as they come (the engine runs in a worker thread meanwhile).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import os
@@ -65,8 +66,11 @@ class Engine:
 
     ``model``: ``None``/``"smollm2-135m-instruct"`` for the bundled default or a local Hugging
     Face model directory. ``block_size`` is the KV block size (a multiple of 32 on CPU).
-    ``crop`` drops partial trailing blocks of nested outputs. ``kv_cache_gib`` sizes the CPU
-    KV cache. ``locality_fanin`` (>= 2) turns on the attention-locality rewrite.
+    ``align`` is how a G reads the G's nested under its plus (``"recompute"``, ``"pad"``,
+    ``"bias"`` or ``"crop"``; :mod:`span_workflows.layout`; default ``span_options.align``);
+    ``crop=True``/``False`` is the older spelling of ``align="crop"``/``"recompute"``.
+    ``kv_cache_gib`` sizes the CPU KV cache. ``locality_fanin`` (>= 2) turns on the
+    attention-locality rewrite.
     ``span_options`` (a :class:`~span_workflows.layout.SpanOptions`, or ``"prefix"`` /
     ``"self"``) says what plus spans attend to and how they are laid out (default: what a
     span-ready model records for itself, :func:`~span_workflows.model.span_defaults`, else
@@ -85,7 +89,7 @@ class Engine:
         block_size: int = 32,
         kv_cache_gib: int = 2,
         max_model_len: int | None = None,
-        crop: bool = True,
+        crop: bool | None = None,
         dtype: str = "float32",
         seed: int = 0,
         max_num_seqs: int = 64,
@@ -94,12 +98,14 @@ class Engine:
         span_options: SpanOptions | str | None = None,
         load_progress: bool = True,
         kv_cache_blocks: int | None = None,
+        align: str | None = None,
     ) -> None:
         self.locality_fanin = locality_fanin
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
         # a span-ready model records the options it answers best with
-        self.span_options = SpanOptions.coerce(
-            span_options, SpanOptions.coerce(span_defaults(self.model_dir) or None))
+        self.span_options = engine_options(
+            span_options, align=align, crop=crop,
+            default=SpanOptions.coerce(span_defaults(self.model_dir) or None))
         self.model_name = DEFAULT_MODEL_NAME if model is None else str(model)
         from transformers import AutoTokenizer
 
@@ -128,6 +134,8 @@ class Engine:
             structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
             use_tqdm_on_load=load_progress,
             num_gpu_blocks_override=kv_cache_blocks,
+            # The plugin's block alignment of nested outputs (align="pad"/"bias").
+            logits_processors=list(contract.LOGITS_PROCESSORS),
         )
         self._engine = self._llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len
@@ -135,8 +143,8 @@ class Engine:
         #: the KV cache's size in tokens (blocks the engine allocated x block size)
         self.cache_tokens = int(blocks) * block_size
         self.renderer = ChatRenderer(self.tokenizer)
-        self.compiler = Compiler(self.renderer, self.layout_tokens, block_size, crop=crop,
-                                 options=self.span_options)
+        self.compiler = Compiler(self.renderer, self.layout_tokens, block_size,
+                                 options=self.span_options, end_ids=self._end_ids())
         self.planner = Planner(self.compiler, self.max_model_len,
                                locality_fanin=locality_fanin)
         self._ids = itertools.count()
@@ -285,6 +293,14 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _end_ids(self) -> tuple[int, ...]:
+        """The model's end-of-turn tokens: the tokenizer's EOS and the generation config's."""
+        ids = [self.tokenizer.eos_token_id]
+        config = self._engine.model_config.try_get_generation_config() or {}
+        more = config.get("eos_token_id")
+        ids += [more] if isinstance(more, int) else list(more or [])
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
     # -- the engine loop ------------------------------------------------------------------------
     def _settings(self, span_options: SpanOptions | str | None, cache_salt: str | None,
@@ -458,6 +474,17 @@ def _context_within(model_dir: Path, cache_tokens: int) -> int:
     return max(1, min(longest, cache_tokens))
 
 
+def engine_options(span_options: SpanOptions | str | None = None, *, align: str | None = None,
+                   crop: bool | None = None, default: SpanOptions | None = None) -> SpanOptions:
+    """An engine's default :class:`SpanOptions`: ``span_options`` (over ``default``, e.g. what
+    a span-ready model records) with ``align`` set, or ``crop`` in its older spelling
+    (``True``: ``"crop"``, ``False``: ``"recompute"``)."""
+    options = SpanOptions.coerce(span_options, default)
+    if align is None and crop is not None:
+        align = "crop" if crop else "recompute"
+    return options if align is None else dataclasses.replace(options, align=align)
+
+
 def _prepare_environment(kv_cache_gib: int) -> str:
     """The plugin's span-mode environment (:func:`span_vllm.contract.enable`) for an engine
     core in this process, reading a local model; returns the layout key."""
@@ -472,4 +499,4 @@ def available_models() -> Iterable[str]:
 
 
 __all__ = ["BulkAnswer", "Engine", "Metrics", "ModelNotAvailableError", "Result",
-           "StreamClosed"]
+           "StreamClosed", "engine_options"]

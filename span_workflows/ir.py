@@ -135,7 +135,9 @@ class Generate:
     enclosing prompt then reuses this G's own prompt tokens followed by its output, so the KV
     computed while generating is a cache hit for the outer call. ``sampling`` holds the
     other sampling options, stop sequences and constrained output (a JSON schema or tools):
-    see :mod:`span_workflows.sampling`.
+    see :mod:`span_workflows.sampling`. ``align`` says how this G reads the G's nested under
+    a plus in its input (``"recompute"``, ``"pad"``, ``"bias"`` or ``"crop"``, see
+    :mod:`span_workflows.layout`); ``None``: the query's ``SpanOptions.align``.
     """
 
     input: Node
@@ -145,6 +147,7 @@ class Generate:
     model: str | None = None
     inline_prompt: bool = False
     sampling: Sampling = Sampling()
+    align: str | None = None
 
     def __repr__(self) -> str:
         args = [repr(self.input)]
@@ -156,6 +159,8 @@ class Generate:
             args.append(f"n={self.n}")
         if self.sampling != Sampling():
             args.append(f"sampling={self.sampling.to_options()!r}")
+        if self.align is not None:
+            args.append(f"align={self.align!r}")
         return "G(" + ", ".join(args) + ")"
 
 

@@ -64,6 +64,7 @@ from span_workflows.ir import (
     join_path,
     role_of,
 )
+from span_workflows.layout import check_align
 from span_workflows.sampling import Sampling
 from span_workflows.validate import MAX_DEPTH, validate
 
@@ -82,7 +83,8 @@ NODE_KINDS = (*ROLE_MESSAGES, "fragment", "plus", "cross", "seq", "g", "repeat",
 #: The parser reads exactly these; ``GET /v1/query/schema`` is generated from them.
 NODE_FIELDS: dict[str, tuple[str, ...]] = {
     "fragment": ("text", "source"),
-    "g": ("model", "input", "max_tokens", "temperature", "n", "inline_prompt", *SAMPLING_FIELDS),
+    "g": ("model", "input", "max_tokens", "temperature", "n", "inline_prompt", "align",
+          *SAMPLING_FIELDS),
     "repeat": ("n", "g", "query", "generate"),
     "map": ("metadata", "inputs"),
     "map.metadata": ("model", "max_tokens", "temperature"),
@@ -119,7 +121,7 @@ def to_obj(node: Node) -> object:
 
     Validates ``node`` first (so only trees :func:`from_json` accepts can be written). Key order
     is canonical: a g writes ``model`` (if any), ``input``, ``max_tokens``, ``temperature``,
-    then ``n`` (if not 1) and ``inline_prompt`` (if true).
+    then ``n`` (if not 1), ``inline_prompt`` (if true) and ``align`` (if set).
     """
     validate(node)
     return fold_bottom_up(node, _to_obj_one)
@@ -338,6 +340,8 @@ def _g_body(node: Generate, input_obj: object) -> dict:
         body["n"] = node.n
     if node.inline_prompt:
         body["inline_prompt"] = True
+    if node.align is not None:
+        body["align"] = node.align
     body.update(node.sampling.to_options())
     return body
 
@@ -565,12 +569,16 @@ def _g_frame(body: object, path: str, depth: int, what: str) -> _Frame:
         raise SpanQueryError(
             path, f"{what} inline_prompt must be a boolean, got {_type_name(inline)}"
         )
+    align = body.get("align")
+    if align is not None:
+        check_align(align, join_path(path, "align"))
     try:
         sampling = Sampling.from_options({k: body[k] for k in SAMPLING_FIELDS if k in body})
     except (TypeError, ValueError) as exc:
         raise SpanQueryError(path, f"{what}: {exc}") from None
     return _Frame(
-        lambda kids: Generate(kids[0], max_tokens, temperature, n, model, inline, sampling),
+        lambda kids: Generate(kids[0], max_tokens, temperature, n, model, inline, sampling,
+                              align),
         [(body["input"], join_path(path, "input"))],
         depth,
     )

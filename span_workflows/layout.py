@@ -28,6 +28,26 @@ engine does not need one: span boundaries travel next to the tokens, see
 The defaults (``prefix``, one link block, padding after) are the most accurate mode measured
 that keeps a span hit ≥ 10× faster than stock at 16 documents; ``link_blocks=0`` drops the
 link requests (fewer requests, fewer correct answers).
+
+``align`` says how a G reads the nested G's under its plus (drafts a judge reads). Each one's
+span is its prompt followed by its output, and its KV is the one computed while it was
+generated — but vLLM caches whole blocks only, and the last sampled token never had its KV
+computed, so the draft's last block is partial and uncached:
+
+* ``"recompute"`` — the span is padded to a block boundary and a prepare request computes that
+  last block (the earlier ones are the draft's own, cached), in the step where the judge's
+  other prepares run: nothing is cut, no text changes; costs one block of prefill per draft
+  (what ``crop=False`` always did);
+* ``"pad"`` — the draft's own request goes on after its text with forced pad tokens up to the
+  block boundary (the plugin's logits processor), so its last block is full and cached and the
+  judge reads every token from the cache; the draft's text is returned without them; costs 1
+  to ``block_size`` more decode steps per draft;
+* ``"bias"`` — ``"pad"``, with a logits processor that also nudges the draft to end where its
+  block fills (fewer pad steps; the text may change);
+* ``"crop"`` — the partial last block is dropped: the judge never sees the last 1 to
+  ``block_size`` tokens of each draft (the paper's choice; ``crop=True``).
+
+A G's own ``align`` overrides this one for its drafts.
 """
 
 from __future__ import annotations
@@ -42,6 +62,17 @@ PadPosition = Literal["after", "inside", "before"]
 
 ATTEND_CHOICES: tuple[str, ...] = ("prefix", "self")
 PAD_CHOICES: tuple[str, ...] = ("after", "inside", "before")
+Align = Literal["recompute", "pad", "bias", "crop"]
+ALIGN_CHOICES: tuple[str, ...] = ("recompute", "pad", "bias", "crop")
+#: The alignment a query gets when nobody says (chosen by ``bench nested`` and ``bench needle``,
+#: see ``benchmarks/results/align.md``).
+DEFAULT_ALIGN: Align = "pad"
+
+
+def check_align(value: object, where: str) -> None:
+    """Raise :class:`SpanQueryError` at ``where`` unless ``value`` is an alignment."""
+    if value not in ALIGN_CHOICES:
+        raise SpanQueryError(where, f"must be one of {', '.join(ALIGN_CHOICES)}, not {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +84,7 @@ class SpanOptions:
     pad_text: str = "\n"
     marker: bool = False
     link_blocks: int = 1
+    align: Align = DEFAULT_ALIGN
 
     def __post_init__(self) -> None:
         if self.attend not in ATTEND_CHOICES:
@@ -71,6 +103,7 @@ class SpanOptions:
             raise SpanQueryError("span_options.link_blocks",
                                  "must be an integer from 0 to 64, or -1 (every block of a "
                                  "span but its last)")
+        check_align(self.align, "span_options.align")
 
     def links_of(self, span_blocks: int) -> int:
         """How many of a linked span's ``span_blocks`` blocks are link blocks."""
@@ -104,7 +137,7 @@ class SpanOptions:
         return {name: getattr(self, name) for name in _FIELDS}
 
 
-_FIELDS = ("attend", "pad", "pad_text", "marker", "link_blocks")
+_FIELDS = ("attend", "pad", "pad_text", "marker", "link_blocks", "align")
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,5 +176,5 @@ def _unused_added_token(tokenizer: Any) -> int:
     return candidates[-1]
 
 
-__all__ = ["ATTEND_CHOICES", "Attend", "LayoutTokens", "PAD_CHOICES", "PadPosition",
-           "SpanOptions"]
+__all__ = ["ALIGN_CHOICES", "ATTEND_CHOICES", "Align", "Attend", "DEFAULT_ALIGN", "LayoutTokens",
+           "PAD_CHOICES", "PadPosition", "SpanOptions", "check_align"]

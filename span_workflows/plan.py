@@ -17,6 +17,11 @@ repositioned to where they now sit. A span the main request computes in its own 
 (``TokenizedQuery.main_computes_from``) is not prepared. A hit of cached spans in a new order
 therefore waits two engine steps (links, final), a reordered set one.
 
+The nested G's of a G that reads them with ``align="pad"`` or ``"bias"`` run with a
+:class:`Fill`: their requests go on after their text with pad tokens up to a block boundary
+(the plugin's logits processor), and their results hold the text alone (the pads are counted
+in ``Metrics.fill_tokens``); the reading G's prompt then finds their last blocks cached.
+
 Plans advance in lockstep: :func:`gather` merges several plans into one, and the drivers
 (:func:`drive` for a synchronous engine loop, :func:`drive_async` for an async engine client)
 answer every probe before running any request, so all requests that can run together do.
@@ -29,28 +34,51 @@ process or in another one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from span_vllm.contract import Segments
+from span_vllm.contract import BIAS_DEFAULTS, Segments
 from span_workflows.compile import (
     Compiler,
     NestedOutput,
     SpanPrompt,
     TokenizedQuery,
+    alignment,
     check_fits,
     nested_generations,
 )
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import MESSAGE_TYPES, Cross, Generate, Node, Plus, child_path, content_hash
-from span_workflows.layout import SpanOptions
+from span_workflows.layout import Align, SpanOptions
 from span_workflows.optimize import optimize, ordered_for_stock
 from span_workflows.result import Metrics, Result
 from span_workflows.sampling import Sampling, parse_answer
 from span_workflows.tool_prompt import with_tool_prompts
+
+
+@dataclass(frozen=True, slots=True)
+class Fill:
+    """Fill the last KV block of a nested G's request by generation
+    (:func:`span_vllm.contract.align_args`): after its text — up to the first of ``ends``, or
+    ``budget`` tokens — the request writes ``pad`` up to a block boundary, then ``stop``;
+    ``bias`` (or ``None``) nudges where the text ends."""
+
+    pad: int
+    stop: int
+    ends: tuple[int, ...]
+    budget: int
+    bias: dict[str, float] | None = None
+
+    def text_end(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` (a request's output) are its text."""
+        for i, token in enumerate(token_ids[: self.budget]):
+            if token in self.ends:
+                return i + 1
+        return min(len(token_ids), self.budget)
 
 
 @dataclass
@@ -74,6 +102,8 @@ class Request:
     sampling: Sampling = field(default_factory=Sampling)
     #: the step tag the engine core counts this request's steps under
     tag: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: fill the last KV block after the text (a nested G read with ``align="pad"``/``"bias"``)
+    fill: Fill | None = None
 
     @classmethod
     def prepare(cls, prompt: SpanPrompt, cache_salt: str | None = None) -> Request:
@@ -235,6 +265,10 @@ class Planner:
             latency_s=time.perf_counter() - started,
             link_requests=sum(p.metrics.link_requests for p in parts),
             prepared_tokens=sum(p.metrics.prepared_tokens for p in parts),
+            fill_tokens=sum(p.metrics.fill_tokens for p in parts),
+            nested_tokens=sum(p.metrics.nested_tokens for p in parts),
+            nested_lost_tokens=sum(p.metrics.nested_lost_tokens for p in parts),
+            nested_computed_tokens=sum(p.metrics.nested_computed_tokens for p in parts),
             # a plus's parts run together: the first answer waits for the fewest steps; a
             # cross's parts one after another: its first part starts first
             engine_steps=(min if isinstance(node, Plus) else _first)(
@@ -248,8 +282,10 @@ class Planner:
                           p.steps_to_end for p in parts))
 
     def plan_generate(self, g: Generate, span_mode: bool, *, inline: bool,
-                      part: int | None = None, settings: QuerySettings | None = None) -> Plan:
-        """One G: nested G's, prepares of uncached spans, then the main request."""
+                      part: int | None = None, settings: QuerySettings | None = None,
+                      read_as: Align | None = None) -> Plan:
+        """One G: nested G's, prepares of uncached spans, then the main request. ``read_as``
+        is how the G that reads this one (``inline``) aligns it."""
         settings = settings or QuerySettings(self.compiler.options)
         options, salt = settings.options, settings.cache_salt
         started = time.perf_counter()
@@ -257,9 +293,10 @@ class Planner:
         nested: dict[str, NestedOutput] = {}
         nested_results: dict[str, Result] = {}
         if nested_nodes:
+            align = alignment(g, options)
             results = yield from gather([
                 self.plan_generate(child, span_mode, inline=span_mode and child.inline_prompt,
-                                   settings=settings)
+                                   settings=settings, read_as=align)
                 for _, child in nested_nodes
             ])
             for (path, _), result in zip(nested_nodes, results, strict=True):
@@ -279,6 +316,12 @@ class Planner:
                 options=options,
             )
         max_tokens = tq.max_tokens or (self.max_model_len - len(tq.token_ids))
+        fill = (self._fill(g, max_tokens, options, read_as)
+                if span_mode and inline and read_as in ("pad", "bias") else None)
+        if fill is not None:
+            max_tokens = min(max_tokens + self.block_size,
+                             self.max_model_len - len(tq.token_ids))
+        drafts = _DraftTokens(tq, nested) if span_mode and nested else None
         expected = _expected_hits(tq) if span_mode else 0
         prepared = relinked = prepared_tokens = 0
         log = _StageLog()
@@ -300,6 +343,8 @@ class Planner:
                     outs = yield requests
                     prepared += len(prepares)
                     prepared_tokens += _computed(outs)
+                    if drafts is not None:
+                        drafts.count_prepares(prepares, outs)
                 relinks = missing(links, [_key(p) in hit for p in links])
                 if relinks:
                     requests = [Request.prepare(p, salt) for p in relinks]
@@ -311,11 +356,14 @@ class Planner:
             logprobs = g.sampling.logprobs if settings.logprobs is None else settings.logprobs
             final = Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
                             None if inline else logprobs, 0 if last else expected,
-                            tq.segments, salt, g.sampling)
+                            tq.segments, salt, g.sampling, fill=fill)
             log.add([final])
             [out] = yield [final]
             if not out.short:
                 break
+        filled = 0
+        if fill is not None:
+            out, filled = _without_fill(out, fill, self.compiler.renderer.tokenizer)
         counts = yield StepCount(log.tags())
         own_first, own_end = log.totals(counts)
         before = max((r.steps_to_end for r in nested_results.values()), default=0)
@@ -331,6 +379,10 @@ class Planner:
             prepared_tokens=prepared_tokens,
             engine_steps=before + own_first,
             final_steps=own_first,
+            fill_tokens=filled,
+            nested_tokens=drafts.tokens if drafts else 0,
+            nested_lost_tokens=drafts.lost if drafts else 0,
+            nested_computed_tokens=drafts.computed if drafts else 0,
         )
         finish = out.finish_reasons[0] if out.finish_reasons else "stop"
         text, calls = out.texts[0], []
@@ -345,7 +397,68 @@ class Planner:
                       steps_to_end=before + own_end)
 
 
+    def _fill(self, g: Generate, budget: int, options: SpanOptions,
+              read_as: Align) -> Fill | None:
+        """The fill of a nested G read with ``align="pad"``/``"bias"``; ``None`` for a G with
+        stop sequences (vLLM ends it on the text, so its last block is computed by a prepare,
+        as with ``"recompute"``)."""
+        if g.sampling.stop or not self.compiler.end_ids:
+            return None
+        bias = dict(BIAS_DEFAULTS) if read_as == "bias" else None
+        return Fill(self.compiler.pad_id(options), self.compiler.tokens.marker,
+                    self.compiler.end_ids, budget, bias)
+
+
 MAX_ATTEMPTS = 3
+
+
+class _DraftTokens:
+    """Counts, for a G that reads nested G's, their tokens, those its prompt leaves out, and
+    those its prepare requests compute again (real tokens of a draft's last block)."""
+
+    def __init__(self, tq: TokenizedQuery, nested: Mapping[str, NestedOutput]) -> None:
+        self.tokens = self.lost = self.computed = 0
+        self._pads: dict[tuple[int, ...], int] = {}
+        for span in tq.spans:
+            if span.kind != "generated":
+                continue
+            out = nested.get(span.label.removeprefix("G@"))
+            if out is None:
+                continue
+            total = len(out.prompt_ids) + len(out.output_ids)
+            self.tokens += total
+            self.lost += max(0, total - span.content_tokens)
+            key = tuple(tq.token_ids[span.offset:span.offset + span.length])
+            self._pads[key] = span.pad_tokens
+
+    def count_prepares(self, prompts: Sequence[SpanPrompt], outs: Sequence[Output]) -> None:
+        """Add the draft tokens that these prepare requests computed."""
+        for prompt, out in zip(prompts, outs, strict=True):
+            pads = self._pads.get(prompt.token_ids)
+            if pads is not None:
+                self.computed += max(0, out.prompt_tokens - out.cached_tokens - pads)
+
+
+def _without_fill(out: Output, fill: Fill, tokenizer: Any) -> tuple[Output, int]:
+    """``out`` of a filled request as its text alone, and how many tokens the fill took."""
+    ids, texts, reasons, filled = [], [], [], 0
+    for i, tokens in enumerate(out.token_ids):
+        end = fill.text_end(tokens)
+        text_ids, extra = tokens[:end], tokens[end:]
+        text = out.texts[i]
+        if extra:
+            tail = tokenizer.decode(extra, skip_special_tokens=True)
+            text = (text[: len(text) - len(tail)] if tail and text.endswith(tail)
+                    else tokenizer.decode(text_ids, skip_special_tokens=True) if tail else text)
+        ended = bool(text_ids) and text_ids[-1] in fill.ends
+        ids.append(text_ids)
+        texts.append(text)
+        reasons.append("stop" if ended else "length" if end >= fill.budget
+                       else (out.finish_reasons[i] if i < len(out.finish_reasons) else "stop"))
+        filled += len(extra) if i == 0 else 0
+    logprobs = out.logprobs[: len(ids[0])] if ids else out.logprobs
+    return dataclasses.replace(out, texts=texts, token_ids=ids, finish_reasons=reasons,
+                               logprobs=logprobs), filled
 
 
 def _first(values: Sequence[int]) -> int:
@@ -569,8 +682,8 @@ async def _all(coros: Any) -> list[Any]:
 
 
 __all__ = [
-    "Metrics", "Output", "Plan", "Planner", "Probe", "QuerySettings", "Request", "Result", "Step",
-    "StepCount", "Steps",
+    "Fill", "Metrics", "Output", "Plan", "Planner", "Probe", "QuerySettings", "Request", "Result",
+    "Step", "StepCount", "Steps",
     "check_fits",
     "drive", "drive_async", "gather", "guarded", "missing", "prepare_key", "share_prepares",
     "share_prepares_async",

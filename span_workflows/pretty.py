@@ -82,6 +82,8 @@ def label(node: Node, *, width: int = 40) -> str:
             parts.append(f"model={node.model}")
         if node.inline_prompt:
             parts.append("inline_prompt")
+        if node.align is not None:
+            parts.append(f"align={node.align}")
         return " ".join(parts)
     if isinstance(node, Chat):
         return " ".join(["chat", *_params(node.max_tokens, node.temperature, node.model)])

@@ -37,6 +37,26 @@ class Metrics:
     engine_steps: int = 0
     #: the part of ``engine_steps`` after the nested G's ended (prepares, links, final)
     final_steps: int = 0
+    #: tokens this G generated after its text to fill its last KV block (``align="pad"`` or
+    #: ``"bias"`` in the G that reads it): pads and the stop token, not part of its text
+    fill_tokens: int = 0
+    #: the tokens of the G's nested under a plus in this G's input (each one's prompt and
+    #: output, padding not counted): what this G should read
+    nested_tokens: int = 0
+    #: of ``nested_tokens``, those left out of this G's prompt (``align="crop"``)
+    nested_lost_tokens: int = 0
+    #: of ``nested_tokens``, those this G's own requests computed again instead of reading the
+    #: KV computed while the nested G's ran (the last block of each, ``align="recompute"``)
+    nested_computed_tokens: int = 0
+
+    @property
+    def nested_cached_share(self) -> float:
+        """The share of ``nested_tokens`` read from the nested G's own KV (1.0 without any):
+        neither lost nor computed again."""
+        if not self.nested_tokens:
+            return 1.0
+        read = self.nested_tokens - self.nested_lost_tokens - self.nested_computed_tokens
+        return read / self.nested_tokens
 
     @property
     def reused_tokens(self) -> int:

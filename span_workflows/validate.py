@@ -36,6 +36,7 @@ from span_workflows.ir import (
     children_of,
     join_path,
 )
+from span_workflows.layout import check_align
 from span_workflows.sampling import Sampling
 
 #: The deepest tree accepted, counted in nodes from the root to a leaf (the root is level 1;
@@ -155,6 +156,8 @@ def _check_node(node: object, path: str) -> None:
             raise SpanQueryError(
                 path, f"inline_prompt must be a bool, got {_kind(node.inline_prompt)}"
             )
+        if node.align is not None:
+            check_align(node.align, join_path(path, "align"))
     elif isinstance(node, Chat):
         _check_tuple(node.messages, "chat", "messages", path)
         _check_generation(node.max_tokens, node.temperature, node.model, path)

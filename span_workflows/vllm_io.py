@@ -4,9 +4,11 @@ A plan :class:`~span_workflows.plan.Request` becomes a tokens prompt (with vLLM'
 ``cache_salt``) and :class:`vllm.SamplingParams`: the request's sampling options, stop
 sequences and output constraint (vLLM's structured outputs), and in ``extra_args`` the
 request's span segments under this process's layout key
-(:func:`span_vllm.contract.layout_args`) and its step tag (:func:`span_vllm.contract.tag_args`,
-under which the engine core counts the steps it waits for); nothing else reaches the engine
-processes. While the
+(:func:`span_vllm.contract.layout_args`), its step tag (:func:`span_vllm.contract.tag_args`,
+under which the engine core counts the steps it waits for) and, for a nested G whose last block
+is filled by generation (``Request.fill``), the fill (:func:`span_vllm.contract.align_args`,
+with ``ignore_eos`` and the fill's stop token: the request ends after its pads, not at its
+text's end); nothing else reaches the engine processes. While the
 request runs, a :class:`RequestRun` reads vLLM's cumulative ``RequestOutput`` s: it notes the
 first token, streams part texts, and says when the request must be aborted because its cache
 hits fell short (a prepared span was evicted before it was used; the plan then prepares again
@@ -53,12 +55,18 @@ def sampling_params(req: Request, layout_key: str,
     }
     if req.part is not None:
         options.update(extra or {})
+    extra_args = {**contract.tag_args(req.tag),
+                  **(contract.layout_args(req.segments, layout_key) if req.segments else {})}
+    fill = req.fill
+    if fill is not None:
+        extra_args.update(contract.align_args(fill.pad, fill.stop, fill.ends, fill.budget,
+                                              fill.bias))
+        options.update(ignore_eos=True, stop_token_ids=[fill.stop])
     return SamplingParams(
         max_tokens=max(1, req.max_tokens), temperature=req.temperature, n=req.n,
         structured_outputs=(None if schema is None else
                             StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
-        extra_args={**contract.tag_args(req.tag),
-                    **(contract.layout_args(req.segments, layout_key) if req.segments else {})},
+        extra_args=extra_args,
         **options,
     )
 

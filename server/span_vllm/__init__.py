@@ -23,7 +23,10 @@ Public API (everything else is private to the plugin):
 * :func:`hash_blocks` ``(token_ids, block_size, hash_fn, segments=(), salt=None)`` — the
   block hashes the plugin gives a prompt under a span layout, for tools and benchmarks;
 * :class:`RopeRotator`, :class:`CpuKeyLayout`, :class:`PagedKeyLayout` — the torch-only key
-  rotation, for benchmarks and device checks.
+  rotation, for benchmarks and device checks;
+* ``span_vllm.align:BlockAlignLogitsProcessor`` — the vLLM v1 logits processor that fills a
+  draft's last KV block by generation (:data:`contract.ALIGN_KEY`); vLLM loads it by that
+  name (:data:`contract.LOGITS_PROCESSORS`), given where the engine is built.
 
 ``import span_vllm`` imports neither vLLM nor torch; each name above loads what it needs on
 first use.

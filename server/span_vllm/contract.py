@@ -28,6 +28,23 @@ missing, malformed or carries the wrong key hashes exactly as stock vLLM: only t
 which knows the key, can ask for span semantics (the key reaches the engine processes through
 :data:`KEY_ENV`, which the launchers set; it is never sent to clients).
 
+**Block alignment of a nested output** (a draft that a later prompt reads whole): a request
+with ``SamplingParams.extra_args[ALIGN_KEY]`` =
+``{"pad": P, "stop": S, "ends": [E, ...], "budget": M, "bias": {...} | absent}`` is driven by
+the plugin's logits processor (:data:`ALIGN_PROCESSOR`, registered where the engine is built).
+Its *text* is its tokens up to and including the first of ``ends`` (the model's end-of-turn
+tokens), or its first ``M`` tokens when none comes; token ``S`` is never sampled there. After
+the text the processor forces ``P`` until the request's length (prompt + output) is a whole
+number of KV blocks, then ``S`` — so every token of the text *and* every pad has its KV
+computed (the last sampled token never has) and the last block is full, hashed and cached like
+the others. The request must run with ``ignore_eos=True`` and ``stop_token_ids=[S]`` (it ends on
+``S``, not at the text's end) and room for ``block_size`` more tokens than ``M``; the reader drops
+every token after the text. ``bias`` (:data:`BIAS_DEFAULTS`'s keys) also nudges where the text
+ends: at a position where ending would fill the block exactly, the end tokens' logits gain
+``boost`` when their probability is at least ``min_prob`` (the model is close to ending anyway);
+in the first ``window`` positions of a block, where ending would cost almost a whole block of
+pads, they lose ``boost``.
+
 The rest of the contract: the environment of a span-mode engine process (:func:`enable`), the
 engine-core utility calls the plugin adds (:data:`PROBE_CALL`, :data:`STATS_CALL`) and the
 counters it keeps (:data:`STAT_HELP`). The planner side (``span_workflows``) imports this
@@ -38,7 +55,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 
 #: ``SPAN_VLLM=1`` turns the plugin on in a process.
 ENABLE_ENV = "SPAN_VLLM"
@@ -63,6 +80,17 @@ STEPS_CALL = "span_steps"
 #: ``SamplingParams.extra_args`` key of a request's *step tag*: the engine core counts the
 #: scheduler steps such a request waits for (:data:`STEPS_CALL` reads them by tag).
 TAG_KEY = "span_tag"
+
+#: ``SamplingParams.extra_args`` key of a nested output's block alignment (see the module
+#: docstring).
+ALIGN_KEY = "span_align"
+#: The plugin's logits processor (vLLM's ``logits_processors`` / ``--logits-processors``).
+ALIGN_PROCESSOR = "span_vllm.align:BlockAlignLogitsProcessor"
+#: Every logits processor a span-mode engine is built with.
+LOGITS_PROCESSORS = (ALIGN_PROCESSOR,)
+#: The boundary bias of ``align="bias"``: logit change in nats, the end probability from which
+#: an ending at a block's end is raised, and how many first positions of a block are lowered.
+BIAS_DEFAULTS: dict[str, float] = {"boost": 4.0, "min_prob": 0.05, "window": 4}
 
 #: Counters the plugin keeps, with their help text (``/metrics`` exports ``span_<name>_total``).
 STAT_HELP: dict[str, str] = {
@@ -131,14 +159,26 @@ def layout_args(segments: Segments, key: str) -> dict[str, object]:
                                                   for s in segments]}}
 
 
+def align_args(pad: int, stop: int, ends: Sequence[int], budget: int,
+               bias: Mapping[str, float] | None = None) -> dict[str, object]:
+    """The ``extra_args`` entry that fills a nested output's last KV block by generation
+    (and, with ``bias``, nudges where it ends); see the module docstring."""
+    spec: dict[str, object] = {"pad": int(pad), "stop": int(stop),
+                               "ends": [int(e) for e in ends], "budget": int(budget)}
+    if bias is not None:
+        spec["bias"] = {k: float(bias.get(k, v)) for k, v in BIAS_DEFAULTS.items()}
+    return {ALIGN_KEY: spec}
+
+
 def tag_args(tag: str) -> dict[str, object]:
     """The ``extra_args`` entry that asks the engine core to count a request's steps."""
     return {TAG_KEY: tag}
 
 
 __all__ = [
-    "ANCHORED", "DEFAULT_KV_CACHE_GIB", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV",
-    "LAYOUT_KEY", "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP",
-    "STEPS_CALL", "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "enable", "enabled",
+    "ALIGN_KEY", "ALIGN_PROCESSOR", "ANCHORED", "BIAS_DEFAULTS", "DEFAULT_KV_CACHE_GIB",
+    "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV", "LAYOUT_KEY", "LOGITS_PROCESSORS",
+    "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP", "STEPS_CALL",
+    "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "align_args", "enable", "enabled",
     "layout_args", "layout_key", "tag_args",
 ]

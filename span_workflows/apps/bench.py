@@ -9,14 +9,17 @@ meaningful on a shared, noisy machine even when absolute times are not.
   documents seen before in another order (*reordered*) and of a *new combination* (every
   document cached by earlier queries of N documents, never this set: what a retriever asks),
   and the *floor* (the question alone).
-* ``nested`` — judge/generator with a fan-out of n drafts: TTFT and engine steps of the judge
-  call.
+* ``nested`` — judge/generator with a fan-out of n drafts, for each ``align``: the judge's
+  TTFT and engine steps, the draft tokens it reads from cache and loses, the drafts' extra
+  decode steps (:mod:`span_workflows.apps.bench_align`).
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query, and the plugin's block
   hashing cost per block at 1k / 32k / 128k tokens (plain and span layouts).
 * ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench_route`).
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
-  rewrite, crop on and off (:mod:`span_workflows.apps.bench_locality`).
+  rewrite, per ``align`` (:mod:`span_workflows.apps.bench_locality`).
+* ``needle`` — a needle in the drafts' output at their start, middle or end: the judge's exact
+  match per ``align`` and stock (:mod:`span_workflows.apps.bench_align`).
 * ``lint`` — ``span-workflows lint`` on a labelled set of commuting and order-dependent
   pluses: the share flagged by static checks and with the order check
   (:mod:`span_workflows.apps.bench_lint`).
@@ -38,7 +41,7 @@ from typing import Any
 
 from span_workflows.apps.corpus import documents
 from span_workflows.apps.report import plot, print_table
-from span_workflows.builders import g, judge_generator, rag, user
+from span_workflows.builders import g, rag, user
 
 #: Where the committed results live (``benchmarks/results`` of the repository).
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -110,34 +113,6 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
 def _prefix_len(result: Any) -> int:
     spans = result.query.spans if result.query else []
     return spans[0].length if spans and spans[0].kind == "prefix" else 0
-
-
-def bench_nested(engine: Any, fanouts: Sequence[int], reps: int,
-                 progress: bool = True) -> list[dict[str, Any]]:
-    """Judge TTFT with n drafts: stock (drafts pasted as chat turns) vs span (drafts reused)."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    for n in tqdm(fanouts, desc="nested", disable=not progress):
-        stock, span = [], []
-        for rep in range(reps):
-            q = judge_generator(
-                n, f"Write two sentences about a lighthouse (variant {rep}).",
-                "Which draft is best? Answer with its number.", max_tokens=96,
-                judge_max_tokens=4, temperature=0.5,
-            )
-            engine.reset_cache()
-            stock.append(engine.stock(q).metrics)
-            engine.reset_cache()
-            span.append(engine.execute(q).metrics)
-        med = statistics.median
-        stock_ttft = med(m.final_ttft_s for m in stock)
-        span_ttft = med(m.final_ttft_s for m in span)
-        rows.append({"fanout": n, "ttft_judge_stock_s": stock_ttft,
-                     "ttft_judge_span_s": span_ttft, "speedup": stock_ttft / span_ttft,
-                     "steps_judge_stock": int(med(m.final_steps for m in stock)),
-                     "steps_judge_span": int(med(m.final_steps for m in span))})
-    return rows
 
 
 def bench_reposition(block_counts: Sequence[int], reps: int = 5) -> list[dict[str, Any]]:
@@ -258,7 +233,13 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
     if name == "locality":
         from span_workflows.apps.bench_locality import run_locality
 
+        args.hay_chars = args.hay_chars or [0, 200, 400, 800]
         return run_locality(args)
+    if name in ("nested", "needle"):
+        from span_workflows.apps.bench_align import run_needle, run_nested
+
+        args.hay_chars = args.hay_chars or [10, 100, 1000]
+        return run_nested(args) if name == "nested" else run_needle(args)
     if name == "reposition":
         rows = bench_reposition(args.blocks, max(args.reps, 21))  # cheap: a steadier median
         x, ys, label = "blocks", ["rotate_tokens_per_ms", "copy_tokens_per_ms"], "tokens / ms"
@@ -272,9 +253,6 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
                 x, ys = "n_docs", ["ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
                                    "ttft_span_new_combination_s", "ttft_floor_s"]
                 label = "TTFT (s)"
-            elif name == "nested":
-                rows = bench_nested(engine, args.fanout, args.reps)
-                x, ys, label = "fanout", ["ttft_judge_stock_s", "ttft_judge_span_s"], "TTFT (s)"
             else:
                 rows = bench_compile(engine, args.docs, args.doc_tokens, args.reps)
                 x, ys, label = "n_docs", ["compile_s", "ttft_span_hit_s"], "seconds"

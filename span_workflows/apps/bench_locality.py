@@ -17,13 +17,15 @@ hay of a given length around a given name, so each inner generation is a *copy t
 ``G(U("Repeat this text exactly:\n\n<text>"), temperature=0)``, as in the paper where the
 generators are told the name to write. The inner G's are real nested generations under the
 judge's plus: the judge reuses each one's prompt and output span, exactly the KV computed while
-generating, and cropping (``engine.compiler.crop``) drops the partial trailing KV block of each
-one. Each inner G writes at most ``copy_tokens`` tokens (default 8; ``--copy-tokens 0`` copies
-the whole text) because decoding hundreds of tokens per candidate is too slow on a shared CPU;
-the text with the needle is therefore in the inner *prompt*, which cropping never cuts (it
+generating, and the judge's ``align`` (``aligns``, ``--align``) says how it reads each one's
+partial last KV block (``crop`` drops it; see :mod:`span_workflows.layout`). Each inner G
+writes at most ``copy_tokens`` tokens (default 8; ``--copy-tokens 0`` copies the whole text)
+because decoding hundreds of tokens per candidate is too slow on a shared CPU; the text with
+the needle is therefore in the inner *prompt*, which cropping never cuts (it
 only drops output tokens of a partial block), so crop on/off measures the effect of the cut
 output on the judge, not the loss of the needle. With ``--copy-tokens 0`` a needle at the
-``end`` sits at the end of the copy, where cropping can cut it (it is still in the prompt).
+``end`` sits at the end of the copy, where cropping can cut it (it is still in the prompt; the
+needle only in a draft's output is ``bench needle``, :mod:`span_workflows.apps.bench_align`).
 ``hay_chars=0`` means each text is one sentence: the needle sentence in one text, a neutral
 sentence at the same place in the others. The hay is bland English sentences without proper
 names, drawn per text and trial; names and placements come from a seeded RNG.
@@ -34,9 +36,9 @@ is dropped (:func:`answer_name`); *exact* means what is left equals the name, *F
 token F1 against the name, *contains* means the name is one of the answer's words.
 ``flat_accuracy``, ``tournament_accuracy`` and ``round1_accuracy`` are exact-match fractions;
 ``*_f1`` columns are mean token F1; ``±`` are 95 % Wilson intervals (half-widths) of the
-exact-match fraction over ``trials``. Crop on and off
-use the same engine (``engine.compiler.crop`` toggled) and the same inner outputs (temperature
-0), so the columns are paired.
+exact-match fraction over ``trials``. The alignments use the same engine and the same inner
+outputs (temperature 0), so the columns are paired: the first alignment's columns are
+unsuffixed, the others' end in ``_<align>``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from typing import Any
 from span_workflows.apps.report import wilson
 from span_workflows.builders import cross, g, plus, system, user
 from span_workflows.ir import Generate
+from span_workflows.layout import SpanOptions
 from span_workflows.locality import tournament
 
 NAMES = (
@@ -175,56 +178,55 @@ def _pm(successes: int, n: int) -> float:
 
 def bench_locality(engine: Any, hay_chars: Sequence[int] = (0, 200, 400, 800),
                    trials: int = 8, positions: Sequence[str] = POSITIONS,
-                   crop_modes: Sequence[bool] = (True, False), fanin: int = 2, seed: int = 0,
+                   aligns: Sequence[str] = ("crop", "recompute"), fanin: int = 2, seed: int = 0,
                    copy_tokens: int = 8, batch: int = 4, progress: bool = True,
                    log: Any = None, on_row: Any = None) -> list[dict[str, Any]]:
     """One row per (hay length, needle position): exact match and F1 of the flat judge and of
-    the tournament, for each crop mode: with both modes the unsuffixed columns are crop on and
-    the ``_nocrop`` ones crop off; with one mode, ``crop`` says which. See the module docstring.
+    the tournament, for each alignment of the inner outputs: the first alignment's columns are
+    unsuffixed (``align`` names it), the others' end in ``_<align>``. See the module docstring.
     Runs ``batch`` trials at a time (their flat and tournament queries together)."""
     from tqdm.auto import tqdm
 
     def tokens_of(text: str) -> int:
         return len(engine.tokenizer.encode(text, add_special_tokens=False))
 
-    crop_before = engine.compiler.crop
     rows: list[dict[str, Any]] = []
     cells = [(h, p) for h in hay_chars for p in positions]
-    try:
-        for hay, position in tqdm(cells, desc="locality", disable=not progress):
-            rng = random.Random(f"{seed}-{hay}-{position}")
-            made = [make_trial(rng, hay, position, max_tokens_of=tokens_of,
-                               copy_tokens=copy_tokens) for _ in range(trials)]
-            queries = [q for q, _ in made]
-            golds = [name for _, name in made]
-            local = [tournament(q, fanin) for q in queries]
-            row: dict[str, Any] = {"hay_chars": hay, "position": position, "trials": trials,
-                                   "crop": crop_modes[0]}
-            engine.reset_cache()  # once per cell: the second crop mode reuses the inner KV
-            for crop in crop_modes:
-                engine.compiler.crop = crop
-                flat, tour = [], []
-                for at in range(0, trials, batch):  # bounded batches: no KV-cache thrashing
-                    part = engine.execute_many(queries[at:at + batch] + local[at:at + batch])
-                    half = len(part) // 2
-                    flat += part[:half]
-                    tour += part[half:]
-                suffix = "_nocrop" if not crop and len(crop_modes) > 1 else ""
-                _score(row, "flat", flat, golds, suffix)
-                _score(row, "tournament", tour, golds, suffix)
-                round1 = [needle_judge(r, gold, engine.tokenizer.decode)
-                          for r, gold in zip(tour, golds, strict=True)]
-                _score(row, "round1", round1, golds, suffix)
-                if log is not None:
-                    log({"hay_chars": hay, "position": position, "crop": crop,
-                         "gold": golds, "flat": [r.text for r in flat],
-                         "tournament": [r.text for r in tour],
-                         "round1": [r.text for r in round1]})
-            rows.append(_ordered_row(row))
-            if on_row is not None:
-                on_row(rows[-1])
-    finally:
-        engine.compiler.crop = crop_before
+    for hay, position in tqdm(cells, desc="locality", disable=not progress):
+        rng = random.Random(f"{seed}-{hay}-{position}")
+        made = [make_trial(rng, hay, position, max_tokens_of=tokens_of,
+                           copy_tokens=copy_tokens) for _ in range(trials)]
+        queries = [q for q, _ in made]
+        golds = [name for _, name in made]
+        local = [tournament(q, fanin) for q in queries]
+        row: dict[str, Any] = {"hay_chars": hay, "position": position, "trials": trials,
+                               "align": aligns[0]}
+        for i, align in enumerate(aligns):
+            engine.reset_cache()  # every alignment from an empty cache
+            options = SpanOptions(**{**engine.span_options.as_dict(), "align": align})
+            flat, tour = [], []
+            for at in range(0, trials, batch):  # bounded batches: no KV-cache thrashing
+                part = engine.execute_many(queries[at:at + batch] + local[at:at + batch],
+                                           span_options=options)
+                half = len(part) // 2
+                flat += part[:half]
+                tour += part[half:]
+            suffix = f"_{align}" if i else ""
+            _score(row, "flat", flat, golds, suffix)
+            _score(row, "tournament", tour, golds, suffix)
+            round1 = [needle_judge(r, gold, engine.tokenizer.decode)
+                      for r, gold in zip(tour, golds, strict=True)]
+            _score(row, "round1", round1, golds, suffix)
+            row[f"lost_per_draft{suffix}"] = sum(  # of the flat judge's drafts
+                r.metrics.nested_lost_tokens / max(1, len(r.nested)) for r in flat) / len(flat)
+            if log is not None:
+                log({"hay_chars": hay, "position": position, "align": align,
+                     "gold": golds, "flat": [r.text for r in flat],
+                     "tournament": [r.text for r in tour],
+                     "round1": [r.text for r in round1]})
+        rows.append(_ordered_row(row))
+        if on_row is not None:
+            on_row(rows[-1])
     order = {p: i for i, p in enumerate(POSITIONS)}
     return sorted(rows, key=lambda r: (r["hay_chars"], order[r["position"]]))
 
@@ -251,15 +253,27 @@ def _ordered_row(row: dict[str, Any]) -> dict[str, Any]:
                                                      if k not in head}
 
 
+def _suffixes(rows: list[dict[str, Any]]) -> list[str]:
+    """The column suffixes of the other alignments (``_recompute``; ``_nocrop`` in older
+    rows), in order."""
+    keys = dict.fromkeys(k for r in rows for k in r)
+    return [k[len("flat_accuracy"):] for k in keys if k.startswith("flat_accuracy_")]
+
+
+def _named(suffix: str) -> str:
+    return "no crop" if suffix == "_nocrop" else suffix.removeprefix("_")
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a Markdown table: exact match ± Wilson half-width of the flat judge, the
-    tournament and its first-round judge over the needle's pair, token F1, with crop on (and
-    the exact matches with crop off, when it was run)."""
-    nocrop = any("flat_accuracy_nocrop" in r for r in rows)
+    tournament and its first-round judge over the needle's pair, token F1, with the first
+    alignment (and the exact matches with the others, when they were run)."""
+    others = _suffixes(rows)
     head = ["hay chars", "needle", "trials", "flat EM", "tournament EM", "Δ EM",
             "round-1 judge EM", "flat F1", "tournament F1", "round-1 F1"]
-    if nocrop:
-        head += ["flat EM no crop", "tournament EM no crop", "round-1 EM no crop"]
+    for sfx in others:
+        head += [f"flat EM {_named(sfx)}", f"tournament EM {_named(sfx)}",
+                 f"round-1 EM {_named(sfx)}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def em(r: dict[str, Any], kind: str, sfx: str = "") -> str:
@@ -271,9 +285,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  f"{100 * (r['tournament_accuracy'] - r['flat_accuracy']):+.0f}",
                  em(r, "round1"), f"{r['flat_f1']:.2f}", f"{r['tournament_f1']:.2f}",
                  f"{r['round1_f1']:.2f}"]
-        if nocrop:
-            cells += [em(r, "flat", "_nocrop"), em(r, "tournament", "_nocrop"),
-                      em(r, "round1", "_nocrop")]
+        for sfx in others:
+            cells += [em(r, "flat", sfx), em(r, "tournament", sfx), em(r, "round1", sfx)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -316,7 +329,7 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
         xs = [r["hay_chars"] for r in sub]
         for row_i, (metric, ylabel) in enumerate(metrics):
             ax = axes[row_i][col]
-            for suffix, ls in (("", "-"), ("_nocrop", "--")):
+            for suffix, ls in zip(["", *_suffixes(sub)], ["-", "--", ":", "-."], strict=False):
                 if f"flat_{metric}{suffix}" not in sub[0]:
                     continue
                 for kind, colour in styles:
@@ -324,7 +337,7 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
                     err = ([r[f"{kind}_pm{suffix}"] for r in sub] if metric == "accuracy"
                            else None)
                     name = ("round-1 judge" if kind == "round1" else kind) + (
-                        " (no crop)" if suffix else "")
+                        f" ({_named(suffix)})" if suffix else "")
                     ax.errorbar(xs, ys, yerr=err, color=colour, linestyle=ls, marker="o",
                                 capsize=3, label=name, alpha=0.6 if suffix else 0.95)
             if row_i == 0:
@@ -370,7 +383,8 @@ def run_locality(args: Any) -> int:
                     f.write(json.dumps(row) + "\n")
 
         rows = bench_locality(engine, args.hay_chars, args.trials or 8, args.positions,
-                              crop_modes=(False,) if args.no_crop else (True, False),
+                              aligns=args.align or (("recompute",) if args.no_crop
+                                                    else ("crop", "recompute")),
                               copy_tokens=args.copy_tokens, on_row=on_row)
         if partial is not None:
             partial.unlink(missing_ok=True)

@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 #: The benchmarks, by name.
-BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "quality", "route",
-              "lint", "bulk")
+BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "needle", "quality",
+              "route", "lint", "bulk")
 
 
 def _ints(text: str) -> list[int]:
@@ -32,21 +32,33 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                         help="rag, compile: tokens per document (default: 440)")
     parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16],
                         help="nested: numbers of drafts the judge reads (default: 1,2,4,8,16)")
+    parser.add_argument("--align", type=_names, default=None,
+                        help="nested, needle, locality: how the judge reads its drafts, "
+                             "recompute,pad,bias,crop (default: nested all four; needle "
+                             "crop,recompute,pad; locality crop,recompute)")
+    parser.add_argument("--draft-tokens", type=int, default=64,
+                        help="nested: max_tokens of each draft (default: 64)")
+    parser.add_argument("--drafts", type=int, default=2,
+                        help="needle: drafts each judge reads (default: 2)")
+    parser.add_argument("--nested-json", type=Path, default=None,
+                        help="needle: bench nested rows (JSON) to plot next to the grid")
     parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256],
                         help="reposition: numbers of blocks moved (default: 1,16,64,256)")
     parser.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
-    parser.add_argument("--hay-chars", type=_ints, default=[0, 200, 400, 800],
-                        help="locality: characters of text around the needle "
-                             "(default: 0,200,400,800)")
+    parser.add_argument("--hay-chars", type=_ints, default=None,
+                        help="locality, needle: characters of text around the needle "
+                             "(default: locality 0,200,400,800; needle 10,100,1000)")
     parser.add_argument("--trials", type=int, default=None,
-                        help="locality: trials per point (default: 8); lint: orders and "
-                             "controls per plus (default: 3)")
+                        help="locality, needle: trials per point (default: 8); lint: orders "
+                             "and controls per plus (default: 3)")
     parser.add_argument("--positions", type=_names, default=["start", "middle", "end"],
-                        help="locality: needle positions (default: start,middle,end)")
+                        help="locality, needle: needle positions (default: start,middle,end)")
     parser.add_argument("--no-crop", action="store_true",
-                        help="locality: run with cropping off only (default: on and off)")
+                        help="locality: run with align=recompute only (default: crop and "
+                             "recompute)")
     parser.add_argument("--markdown", type=Path,
-                        help="locality, quality, lint: write the table here (Markdown)")
+                        help="nested, needle, locality, quality, lint: write the table "
+                             "here (Markdown)")
     parser.add_argument("--copy-tokens", type=int, default=8,
                         help="locality: tokens each inner generation copies (0: all)")
     parser.add_argument("--variants", type=_names,
@@ -79,10 +91,13 @@ def options_help() -> str:
     options = text[text.index("options:"):] if "options:" in text else text
     return ("benchmarks:\n"
             "  rag         RAG TTFT: stock vs span miss vs span hit, by number of documents\n"
-            "  nested      judge/generator: the judge's TTFT, by number of drafts\n"
+            "  nested      judge/generator per align: the judge's TTFT, draft tokens read\n"
+            "              from cache and lost, the drafts' extra decode steps\n"
             "  reposition  RoPE re-rotation throughput vs a plain copy, by blocks moved\n"
             "  compile     optimize + compile time, as a share of a span-hit TTFT\n"
-            "  locality    needle extraction: flat judge vs tournament, crop on and off\n"
+            "  locality    needle extraction: flat judge vs tournament, per align\n"
+            "  needle      a needle in the drafts' output (start, middle, end of 10, 100,\n"
+            "              1000 characters): the judge's exact match per align and stock\n"
             "  quality     invented-fact QA accuracy: stock vs every span mode\n"
             "  route       routers over span-engine replicas (its own options: "
             "bench route --help)\n"

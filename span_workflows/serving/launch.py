@@ -92,6 +92,8 @@ def server_command(
         "--host", host,
         "--port", str(int(port)),
         "--enable-prefix-caching",
+        # the plugin's block alignment of nested outputs (align="pad"/"bias")
+        "--logits-processors", *contract.LOGITS_PROCESSORS,
     ]
     if block_size is not None:
         cmd += ["--block-size", str(int(block_size))]

@@ -17,7 +17,7 @@ from typing import Any
 
 from span_workflows.ir import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, ROLE_MESSAGES
 from span_workflows.json_ir import NODE_FIELDS, NODE_KINDS
-from span_workflows.layout import ATTEND_CHOICES, PAD_CHOICES, SpanOptions
+from span_workflows.layout import ALIGN_CHOICES, ATTEND_CHOICES, PAD_CHOICES, SpanOptions
 from span_workflows.serving.wire import WRAPPER_KEYS
 from span_workflows.validate import MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS_LIMIT
 
@@ -58,6 +58,9 @@ FIELD_SCHEMAS: dict[str, dict[str, Any]] = {
           "temperature": _TEMPERATURE,
           "n": {"type": "integer", "minimum": 1, "maximum": MAX_SAMPLES, "default": 1},
           "inline_prompt": {"type": "boolean", "default": False},
+          "align": {"enum": list(ALIGN_CHOICES),
+                    "description": "how this g reads the g's nested under a plus in its input "
+                                   "(default: the query's span_options.align)"},
           **SAMPLING_SCHEMAS},
     "repeat": {"n": {"type": "integer", "minimum": 1, "maximum": MAX_SAMPLES},
                "g": _G_BODY,
@@ -90,6 +93,7 @@ _SPAN_OPTION_SCHEMAS: dict[str, dict[str, Any]] = {
     "attend": {"enum": list(ATTEND_CHOICES)}, "pad": {"enum": list(PAD_CHOICES)},
     "pad_text": {"type": "string"}, "marker": {"type": "boolean"},
     "link_blocks": {"type": "integer", "minimum": 0},
+    "align": {"enum": list(ALIGN_CHOICES)},
 }
 
 

@@ -34,10 +34,18 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
 
 @pytest.mark.engine
 def test_nested_and_compile_benches_run(engine) -> None:
-    nested = bench.bench_nested(engine, [2], reps=1, progress=False)
-    assert set(nested[0]) == {"fanout", "ttft_judge_stock_s", "ttft_judge_span_s", "speedup",
-                              "steps_judge_stock", "steps_judge_span"}
-    assert nested[0]["steps_judge_span"] >= 1
+    from span_workflows.apps.bench_align import bench_nested_align, nested_markdown
+
+    nested = bench_nested_align(engine, [2], reps=1, aligns=("crop", "pad"), max_tokens=8,
+                                progress=False)
+    assert [r["align"] for r in nested] == ["stock", "crop", "pad"]
+    stock, crop, pad = nested
+    assert stock["cached_share"] == 1.0 and stock["lost_tokens"] == 0
+    assert crop["lost_tokens"] > 0 and crop["cached_share"] < 1.0 and crop["fill_tokens"] == 0
+    assert pad["lost_tokens"] == 0 and pad["cached_share"] == 1.0 and pad["fill_tokens"] >= 1
+    assert pad["extra_draft_steps"] >= 1 and crop["extra_draft_steps"] == 0
+    assert all(r["judge_ttft_s"] > 0 and r["judge_steps"] >= 1 for r in nested)
+    assert "| 2 | pad |" in nested_markdown(nested)
     comp = bench.bench_compile(engine, [1, 2], doc_tokens=48, reps=1)
     assert all(0 < r["compile_s"] and r["share_of_hit_ttft"] > 0 for r in comp)
 
@@ -72,7 +80,7 @@ def test_locality_bench_scores_flat_tournament_and_the_needle_pair(engine) -> No
     from span_workflows.apps.bench_locality import bench_locality, markdown_table
 
     rows = bench_locality(engine, hay_chars=[0], trials=2, positions=["end"],
-                          crop_modes=(True,), batch=2, progress=False)
+                          aligns=("crop",), batch=2, progress=False)
     assert len(rows) == 1 and LOCALITY_KEYS <= set(rows[0])
     row = rows[0]
     assert (row["hay_chars"], row["position"], row["trials"]) == (0, "end", 2)
@@ -81,6 +89,35 @@ def test_locality_bench_scores_flat_tournament_and_the_needle_pair(engine) -> No
     # the first-round judge reads two candidates, the flat judge all eight
     assert row["round1_prompt_tokens"] < row["flat_prompt_tokens"]
     assert "round-1 judge EM" in markdown_table(rows)
+    assert row["align"] == "crop" and row["lost_per_draft"] >= 0
+
+
+def test_a_needle_drafts_output_is_its_prompts_text(tmp_path: Path) -> None:
+    """bench needle's drafts: each output is constrained to the text its prompt holds, one of
+    them with the needle sentence at its place; its tables and plot read the rows."""
+    import random
+
+    from span_workflows.apps.bench_align import needle_markdown, needle_trial, plot_align
+    from span_workflows.apps.report import wilson
+
+    query, name = needle_trial(random.Random(1), 100, "end", drafts=2)
+    drafts = query.input.children[1].children
+    texts = [json.loads(d.sampling.json_schema)["enum"][0] for d in drafts]
+    needle = f"The secret name is {name}."
+    assert sum(t.endswith(needle) for t in texts) == 1
+    assert all(d.input.text.endswith(t) for d, t in zip(drafts, texts, strict=True))
+    assert all(len(t) >= 100 for t in texts)
+    rows = [{"hay_chars": 10, "position": "end", "align": a, "trials": 4, "accuracy": hits / 4,
+             "low": wilson(hits, 4)[0], "high": wilson(hits, 4)[1], "lost_tokens": lost,
+             "cached_share": 1.0, "draft_tokens": 20.0, "needle_cut": float(a == "crop")}
+            for a, hits, lost in (("stock", 3, 0.0), ("crop", 0, 12.0), ("pad", 3, 0.0))]
+    table = needle_markdown(rows)
+    assert "| 10 | end | 4 | 0.75 [0.30, 0.95] | 0.00 [0.00, 0.49] |" in table
+    assert "12.0" in table and table.rstrip().endswith("| 1.00 |")
+    nested = [{"fanout": 16, "align": a, "speedup": s, "cached_share": c}
+              for a, s, c in (("stock", 1.0, 1.0), ("crop", 9.0, 0.8), ("pad", 9.5, 1.0))]
+    plot_align(nested, rows, tmp_path / "align.png")
+    assert (tmp_path / "align.png").stat().st_size > 1000
 
 
 

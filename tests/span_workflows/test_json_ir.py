@@ -284,7 +284,7 @@ def test_node_objects_need_exactly_one_key(obj: dict, message: str) -> None:
          "g inline_prompt must be a boolean, got a string"),
         ({"g": {"input": {"user": "x"}, "max_token": 5}}, "",
          "unknown field 'max_token' in g (expected model, input, max_tokens, temperature, n, "
-         "inline_prompt, top_p, top_k, seed, logprobs, presence_penalty, frequency_penalty, "
+         "inline_prompt, align, top_p, top_k, seed, logprobs, presence_penalty, frequency_penalty, "
          "stop, json_schema, tools, tool_choice, used_tools)"),
         ({"g": "x"}, "", "g must be an object, got a string"),
         ({"plus": ["text"]}, "plus[0]", "expected a node object, got a string"),

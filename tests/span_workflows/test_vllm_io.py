@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from span_vllm import contract
-from span_workflows.plan import Request
+from span_workflows.plan import Fill, Request
 from span_workflows.sampling import Sampling
 from span_workflows.streaming import ChoiceStream, PartStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
@@ -34,6 +36,23 @@ def test_segments_and_salt_travel_next_to_the_tokens() -> None:
     assert plain.extra_args == contract.tag_args(plain_req.tag) != contract.tag_args(req.tag)
     assert "cache_salt" not in tokens_prompt(plain_req)
     assert plain.structured_outputs is None and not plain.stop
+    assert contract.ALIGN_KEY not in plain.extra_args and not plain.ignore_eos
+
+
+def test_a_filled_request_runs_past_its_end_token_and_stops_on_the_fill_stop() -> None:
+    fill = Fill(pad=198, stop=16, ends=(2,), budget=40, bias={"boost": 1.0})
+    params = sampling_params(Request([1, 2, 3], 72, 0.0, fill=fill), "key")
+    assert params.ignore_eos and params.stop_token_ids == [16] and params.max_tokens == 72
+    spec = params.extra_args[contract.ALIGN_KEY]
+    assert spec == {"pad": 198, "stop": 16, "ends": [2], "budget": 40,
+                    "bias": {**contract.BIAS_DEFAULTS, "boost": 1.0}}
+    # the plugin's processor accepts exactly this, and refuses a request that would not stop
+    from span_vllm.align import BlockAlignLogitsProcessor
+
+    BlockAlignLogitsProcessor.validate_params(params)
+    params.ignore_eos = False
+    with pytest.raises(ValueError, match="ignore_eos"):
+        BlockAlignLogitsProcessor.validate_params(params)
 
 
 def test_sampling_options_and_the_output_constraint_reach_vllm() -> None:
