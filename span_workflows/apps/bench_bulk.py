@@ -368,7 +368,7 @@ def make_parser() -> argparse.ArgumentParser:
                    default=[100], help="document sizes of the Ray rows (default: 100)")
     p.add_argument("--alone", type=int, default=3,
                    help="queries also run alone per working set, for same_answers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the trace (default: 0)")
     p.add_argument("--parts", type=Path, default=None,
                    help="keep each document size's one-engine rows here and reuse them when "
                         "run again with the same settings (e.g. to redo the Ray rows)")

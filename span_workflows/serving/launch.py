@@ -20,7 +20,7 @@ from pathlib import Path
 
 from span_vllm import contract
 from span_workflows.errors import ModelNotAvailableError
-from span_workflows.model import DEFAULT_MODEL_NAME, resolve_model
+from span_workflows.model import BUNDLED_MODELS, DEFAULT_MODEL_NAME, resolve_model
 from span_workflows.serving.wire import HEALTH_PATH
 
 LAUNCHER_MODULE = "span_workflows.serving.app"
@@ -49,13 +49,15 @@ def detect_device() -> str:
 def model_reference(model: str | Path | None) -> tuple[str, bool]:
     """What to pass to vLLM as ``--model``, and whether it is on this machine.
 
-    ``None`` / the bundled default's name → its converted directory; an existing directory →
+    ``None`` / a bundled model's name → its directory (converted, or merged with its adapter,
+    once); an existing directory →
     that directory; anything else is taken as a Hugging Face hub id (``org/name``), which vLLM
     downloads (or reads from the HF cache). Raises
     :class:`~span_workflows.errors.ModelNotAvailableError` for a path-like name that does not
     exist or a hub id in offline mode (``HF_HUB_OFFLINE=1``)."""
-    if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
-        return str(resolve_model(None, progress=True)), True
+    if model is None or str(model).lower() in BUNDLED_MODELS:
+        return str(resolve_model(None if model is None else str(model).lower(),
+                                 progress=True)), True
     text = str(model)
     path = Path(text).expanduser()
     if path.is_dir():
@@ -103,9 +105,10 @@ def server_command(
         cmd += ["--max-model-len", str(int(max_model_len))]
     if api_key:
         cmd += ["--api-key", api_key]
-    if model is None or str(model).lower() == DEFAULT_MODEL_NAME:
-        # The default model answers to its short name as well as to its path.
-        cmd += ["--served-model-name", reference, DEFAULT_MODEL_NAME]
+    if model is None or str(model).lower() in BUNDLED_MODELS:
+        # A bundled model answers to its short name as well as to its path.
+        cmd += ["--served-model-name", reference,
+                DEFAULT_MODEL_NAME if model is None else str(model).lower()]
     cmd += [str(a) for a in extra_args]
     return cmd
 
