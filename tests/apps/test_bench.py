@@ -36,7 +36,8 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
 def test_nested_and_compile_benches_run(engine) -> None:
     from span_workflows.apps.bench_align import bench_nested_align, nested_markdown
 
-    nested = bench_nested_align(engine, [2], reps=1, aligns=("crop", "pad"), max_tokens=8,
+    # drafts longer than one block (their prompts take 22 tokens): crop has a block to cut
+    nested = bench_nested_align(engine, [2], reps=1, aligns=("crop", "pad"), max_tokens=24,
                                 progress=False)
     assert [r["align"] for r in nested] == ["stock", "crop", "pad"]
     stock, crop, pad = nested
