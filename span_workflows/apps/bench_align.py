@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from span_workflows.apps.bench_locality import HAY, NAMES, NEUTRAL, exact_match, needle_sentence
-from span_workflows.apps.report import wilson
+from span_workflows.apps.report import save_figure, wilson
 from span_workflows.builders import cross, g, plus, system, user
 from span_workflows.ir import Generate
 from span_workflows.layout import ALIGN_CHOICES, SpanOptions
@@ -273,7 +273,6 @@ def plot_align(nested: list[dict[str, Any]], needle: list[dict[str, Any]], path:
     import matplotlib
 
     matplotlib.use("Agg")
-    from pathlib import Path
 
     import matplotlib.pyplot as plt
 
@@ -316,11 +315,7 @@ def plot_align(nested: list[dict[str, Any]], needle: list[dict[str, Any]], path:
         ax.grid(True, alpha=0.3)
     axes[0][2].set_ylabel("exact match")
     axes[0][2].legend(fontsize=7)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run_needle(args: Any) -> int:

@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.report import save_figure
+
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 SCHEDULES = ("given", "random", "cluster")
@@ -341,10 +343,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("span-workflows bench bulk (SmolLM2-135M, CPU)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def make_parser() -> argparse.ArgumentParser:

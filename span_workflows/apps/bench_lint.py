@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from span_workflows.apps.lint_set import LabelledPlus, labelled_set
-from span_workflows.apps.report import wilson
+from span_workflows.apps.report import save_figure, wilson
 from span_workflows.lint import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_MARGIN,
@@ -227,10 +227,7 @@ def plot_lint(summary_rows: Sequence[dict[str, Any]], path: Path) -> None:
     ax.set_title("span-workflows lint on the labelled set (targets: flag ≥ 90 % of ordered, "
                  "≤ 10 % of commuting pluses)")
     ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_lint_bench(args: Any) -> int:

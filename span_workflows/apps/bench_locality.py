@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from span_workflows.apps.report import wilson
+from span_workflows.apps.report import save_figure, wilson
 from span_workflows.builders import cross, g, plus, system, user
 from span_workflows.ir import Generate
 from span_workflows.layout import SpanOptions
@@ -313,7 +313,6 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
     import matplotlib
 
     matplotlib.use("Agg")
-    from pathlib import Path
 
     import matplotlib.pyplot as plt
 
@@ -351,11 +350,7 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
     axes[0][-1].legend(fontsize=7)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def run_locality(args: Any) -> int:

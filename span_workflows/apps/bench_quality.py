@@ -46,7 +46,7 @@ from span_workflows.apps.qa_set import (
     is_correct,
     make_questions,
 )
-from span_workflows.apps.report import wilson
+from span_workflows.apps.report import save_figure, wilson
 from span_workflows.builders import rag
 from span_workflows.layout import SpanOptions
 from span_workflows.logprobs import kl_top, mean_kl
@@ -402,10 +402,7 @@ def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("the link frontier: accuracy vs span-hit speed (invented-fact RAG, greedy)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_quality(args: Any) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.report import print_table
+from span_workflows.apps.report import print_table, save_figure
 from span_workflows.scaleout.affinity import AffinityOptions
 from span_workflows.scaleout.simulate import (
     ROUTERS,
@@ -147,10 +147,7 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
         ax.legend()
     right.axhline(1.5, color="grey", linestyle="--", linewidth=1)
     fig.suptitle("span-workflows bench route (simulated replicas)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def make_parser() -> argparse.ArgumentParser:

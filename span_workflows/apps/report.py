@@ -57,10 +57,19 @@ def plot(rows: list[dict[str, Any]], x: str, ys: Sequence[str], path: Path, titl
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path | str, dpi: int = 120) -> None:
+    """Lay out ``fig``, write it as a PNG to ``path`` (its folder made if missing) and close
+    it (matplotlib keeps open figures alive)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
-__all__ = ["plot", "print_table", "wilson"]
+__all__ = ["plot", "print_table", "save_figure", "wilson"]
