@@ -19,7 +19,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import Any, TypeVar
 
 import httpx
@@ -131,17 +131,10 @@ class SpanServer:
             "POST", wire.BULK_PATH, content=body,
             params={"schedule": schedule, "max_in_flight": str(max_in_flight)},
             headers={"Content-Type": wire.NDJSON_MEDIA_TYPE})
-        response = self._retrying(lambda: self._client.send(request, stream=True))
-        try:
-            with self._reachable():
-                if response.status_code != 200:
-                    response.read()
-                    wire.parse_answer(response.status_code, response.text, self.url)  # raises
-                for line in response.iter_lines():
-                    if line.strip():
-                        yield wire.parse_bulk_answer(json.loads(line), self.url)
-        finally:
-            response.close()
+        with closing(self._stream_lines(request)) as lines:
+            for line in lines:
+                if line.strip():
+                    yield wire.parse_bulk_answer(json.loads(line), self.url)
 
     def stream(self, query: Query, *, optimize_query: bool = True,
                span_options: SpanOptions | str | None = None,
@@ -186,17 +179,24 @@ class SpanServer:
     def _events(self, body: dict[str, Any]) -> Iterator[str | Result]:
         """The deltas, then the result, of a streamed request."""
         request = self._client.build_request("POST", wire.EXECUTE_PATH, json=body)
+        with closing(self._stream_lines(request)) as lines:
+            for line in lines:
+                if (item := wire.parse_event(line, self.url)) is not None:
+                    yield item
+                    if isinstance(item, Result):
+                        return
+
+    def _stream_lines(self, request: httpx.Request) -> Iterator[str]:
+        """The lines of the streamed answer to ``request`` (sent again while the server cannot
+        be reached); the server's error for an answer other than 200. Close it to close the
+        response."""
         response = self._retrying(lambda: self._client.send(request, stream=True))
         try:
             with self._reachable():
                 if response.status_code != 200:
                     response.read()
                     wire.parse_answer(response.status_code, response.text, self.url)  # raises
-                for line in response.iter_lines():
-                    if (item := wire.parse_event(line, self.url)) is not None:
-                        yield item
-                        if isinstance(item, Result):
-                            return
+                yield from response.iter_lines()
         finally:
             response.close()
 
