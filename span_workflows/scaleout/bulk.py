@@ -36,6 +36,7 @@ from typing import Any
 from span_workflows import bulk
 from span_workflows.errors import SpanQueryError
 from span_workflows.result import BulkAnswer
+from span_workflows.scaleout.ray_env import check_replicas, forwarded_env
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,7 @@ class BulkOptions:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, not {self.replicas}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError("num_cpus and num_gpus must be >= 0")
+        check_replicas(self.replicas, self.num_cpus, self.num_gpus)
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, not {self.kv_cache_blocks}")
         if self.cache_tokens is not None and self.cache_tokens < 1:
@@ -213,13 +211,6 @@ def estimated_cache_tokens(model: str | None, kv_cache_gib: int, block_size: int
     per_token = 2 * int(config["num_hidden_layers"]) * heads * head_dim * dtype_bytes
     blocks = kv_cache_gib * 2**30 // (per_token * block_size)
     return int(blocks) * block_size
-
-
-def forwarded_env() -> dict[str, str]:
-    """The environment the actors need from here (model location, offline mode, imports)."""
-    names = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH",
-             "SPAN_WORKFLOWS_CACHE", "VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY")
-    return {n: os.environ[n] for n in names if n in os.environ}
 
 
 def _tokenizer(model: str | None) -> Any:

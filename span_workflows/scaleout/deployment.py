@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from span_workflows.errors import SpanQueryError
+from span_workflows.scaleout.ray_env import check_replicas, forwarded_env
 from span_workflows.serving import chat_wire, spnl_wire, wire
 
 APP_NAME = "span-workflows"
@@ -89,10 +90,7 @@ class ClusterOptions:
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"replicas must be >= 1, not {self.replicas}")
-        if self.num_cpus < 0 or self.num_gpus < 0:
-            raise ValueError("num_cpus and num_gpus must be >= 0")
+        check_replicas(self.replicas, self.num_cpus, self.num_gpus)
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
         if self.capacity_tokens is not None and self.capacity_tokens <= 0:
@@ -683,7 +681,7 @@ def serve_cluster(options: ClusterOptions, host: str = "127.0.0.1", port: int = 
 
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False,
-                 runtime_env={"env_vars": _forwarded_env()}, log_to_driver=False)
+                 runtime_env={"env_vars": forwarded_env()}, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")
     print(f"span-workflows: {options.replicas} replicas ({options.router}) at "
@@ -696,13 +694,6 @@ def serve_cluster(options: ClusterOptions, host: str = "127.0.0.1", port: int = 
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _forwarded_env() -> dict[str, str]:
-    """The environment the replicas need from here (model location, offline mode)."""
-    names = ("HF_HUB_OFFLINE", "HF_HOME", "TOKENIZERS_PARALLELISM", "PYTHONPATH",
-             "SPAN_WORKFLOWS_CACHE")
-    return {n: os.environ[n] for n in names if n in os.environ}
 
 
 __all__ = [
