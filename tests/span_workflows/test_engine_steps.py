@@ -10,6 +10,7 @@ from engine_texts import QUESTION, SYSTEM, A, B, C
 
 from span_workflows import rag
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.layout import SpanOptions
 
 pytestmark = pytest.mark.engine
 
@@ -48,6 +49,22 @@ def test_a_new_combination_of_cached_documents_waits_two_steps(engine) -> None:
     again = engine.execute(combo, optimize_query=False)
     assert again.metrics.engine_steps == 1 and again.metrics.link_requests == 0
     _same_answer(hit, _fresh(engine, combo))
+
+
+def test_without_link_blocks_a_new_combination_is_one_step(engine) -> None:
+    """What ``link_blocks=0`` (the span-ready model's default) buys: no link step."""
+    no_links = SpanOptions(link_blocks=0)
+    engine.reset_cache()
+    engine.execute(_ordered([A, B]), optimize_query=False, span_options=no_links)
+    engine.execute(_ordered([C, D]), optimize_query=False, span_options=no_links)
+    combo = _ordered([D, A, C])
+    hit = engine.execute(combo, optimize_query=False, span_options=no_links, logprobs=5)
+    assert hit.metrics.prepare_requests == 0 and hit.metrics.link_requests == 0
+    assert hit.metrics.engine_steps == 1
+    engine.reset_cache()
+    fresh = engine.execute(combo, optimize_query=False, span_options=no_links, logprobs=5)
+    assert fresh.metrics.engine_steps == 2  # prepares, then the answer
+    _same_answer(hit, fresh)
 
 
 def test_a_reordered_set_and_stock_take_one_step(engine) -> None:
