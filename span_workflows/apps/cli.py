@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="RAG over the Python stdlib docs, span vs stock",
                           parents=[common])
-    demo.add_argument("--model", help="local HF model directory (default: SmolLM2-135M)")
+    demo.add_argument("--model", help="bundled name or local HF model directory "
+                                      "(default: smollm2-135m-instruct-span)")
     demo.set_defaults(func=_cmd_demo)
 
     run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine, "
@@ -117,8 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                     "e.g. span-workflows serve --model org/name -- --tensor-parallel-size 2",
         parents=[common],
     )
-    serve.add_argument("--model", help="local HF model directory or hub id "
-                                       "(default: the bundled SmolLM2-135M)")
+    serve.add_argument("--model", help="bundled name, local HF model directory or hub id "
+                                       "(default: smollm2-135m-instruct-span)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
@@ -228,7 +229,7 @@ def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     tune.add_argument("--out", type=Path, required=True,
                       help="directory for checkpoints and the finished adapter (OUT/adapter)")
     tune.add_argument("--model", help="base model: a bundled name or a local HF directory "
-                                      "(default: SmolLM2-135M)")
+                                      "(default: smollm2-135m-instruct, the base)")
     tune.add_argument("--examples", type=int, default=defaults.examples,
                       help=f"training examples (default: {defaults.examples})")
     tune.add_argument("--seed", type=int, default=defaults.seed,
@@ -281,9 +282,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     print(f"adapter: {report.adapter}")
     if args.merge is not None:
-        from span_workflows.model import merge_adapter, resolve_model
+        from span_workflows.model import BASE_MODEL_NAME, merge_adapter, resolve_model
 
-        merge_adapter(resolve_model(args.model, progress=False), report.adapter, args.merge)
+        merge_adapter(resolve_model(args.model or BASE_MODEL_NAME, progress=False),
+                      report.adapter, args.merge)
         print(f"merged model: {args.merge}")
     return 0
 

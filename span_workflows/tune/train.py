@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.model import SPAN_DEFAULTS_FILE
+from span_workflows.model import BASE_MODEL_NAME, SPAN_DEFAULTS_FILE
 
 #: The span options most span-form examples are computed with, recorded with the adapter
 #: (engines on the merged model default to them).
@@ -191,7 +191,8 @@ def item_loss(model: Any, item: _Item) -> Any:
 
 
 def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
-    """The base model (float32, on ``device``), its tokenizer and its directory."""
+    """The base model (float32, on ``device``; ``None``: the bundled base SmolLM2-135M, not
+    the already span-ready default), its tokenizer and its directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,7 +202,7 @@ def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
         raise SpanQueryError("--device", f"must be cpu or cuda, not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise SpanQueryError("--device", "cuda was asked for but torch sees no CUDA device")
-    path = resolve_model(model, progress=True)
+    path = resolve_model(BASE_MODEL_NAME if model is None else model, progress=True)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
     return base, tokenizer, path
@@ -275,7 +276,7 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     if report.examples >= len(stream):
         report.adapter.mkdir(parents=True, exist_ok=True)
         peft_model.save_pretrained(str(report.adapter))
-        log = {"config": config.as_json(), "base_model": model or "smollm2-135m-instruct",
+        log = {"config": config.as_json(), "base_model": model or BASE_MODEL_NAME,
                "base_dir": base_path.name, "losses": report.losses,
                "examples": report.examples}
         (report.adapter / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")

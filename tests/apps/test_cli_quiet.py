@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from span_workflows.apps import cli
+from span_workflows.model import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,7 +67,7 @@ def test_serve_reads_the_api_key_from_the_environment_and_keeps_it_off_argv(
         cli.main(["serve", "--port", "8123"])
     assert "--api-key" not in started["argv"] and "k-from-env" not in started["argv"]
     assert started["env"]["VLLM_API_KEY"] == "k-from-env"
-    assert "smollm2-135m-instruct" in started["argv"]  # served under its short name too
+    assert DEFAULT_MODEL_NAME in started["argv"]  # served under its short name too
 
 
 def test_a_query_over_the_context_is_one_line_before_the_engine_starts(tmp_path: Path) -> None:

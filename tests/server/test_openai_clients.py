@@ -18,11 +18,12 @@ from serving_fixtures import running_server, signed_in
 
 from span_workflows.fragments import lift_messages
 from span_workflows.json_ir import to_obj
+from span_workflows.model import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
 API_KEY = "openai-clients-key"
-MODEL = "smollm2-135m-instruct"
+MODEL = DEFAULT_MODEL_NAME
 SYSTEM = "Answer the question from the documents, in one short sentence."
 DOCS = [
     "The Varnholm lighthouse was built in 1871 by the engineer Ada Lindqvist. She designed its "

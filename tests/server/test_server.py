@@ -84,17 +84,26 @@ def test_rag_reuses_spans_in_any_order(http: httpx.Client) -> None:
     assert second["metrics"]["engine_steps"] == 1
 
 
-def test_a_new_combination_waits_two_engine_steps_over_http(http: httpx.Client) -> None:
+@pytest.mark.parametrize(("link_blocks", "steps"), [(0, 1), (1, 2)])
+def test_a_new_combination_waits_one_engine_step_per_link_stage_over_http(
+        http: httpx.Client, link_blocks: int, steps: int) -> None:
+    """The server's default model links nothing: a new combination is one step; with a link
+    block per span, the links take one step before the answer."""
     extra = ("The Louvre is the most visited museum in Paris, with thirty thousand visitors "
-             "a day. ") * 3
-    _execute(http, _rag([DOCS[0], DOCS[1]]))
-    _execute(http, _rag([DOCS[2], extra]))
-    combo = _execute(http, _rag([DOCS[0], DOCS[2], extra]))  # all cached, never together
+             f"a day ({link_blocks}). ") * 3
+
+    def run(docs: list[str]) -> dict:
+        options = {"link_blocks": link_blocks, "attend": "prefix"}
+        return _execute(http, {"query": _rag(docs), "span_options": options})
+
+    run([DOCS[0], DOCS[1]])
+    run([DOCS[2], extra])
+    combo = run([DOCS[0], DOCS[2], extra])  # all cached, never together
     assert combo["metrics"]["prepare_requests"] == 0
     # (a link already cached when an earlier query had the same spans before it)
-    assert combo["metrics"]["link_requests"] >= 1
-    assert combo["metrics"]["engine_steps"] == 2  # the links in one step, then the answer
-    again = _execute(http, _rag([extra, DOCS[2], DOCS[0]]))
+    assert (combo["metrics"]["link_requests"] >= 1) == (link_blocks > 0)
+    assert combo["metrics"]["engine_steps"] == steps
+    again = run([extra, DOCS[2], DOCS[0]])
     assert again["metrics"]["engine_steps"] == 1
 
 

@@ -1,7 +1,8 @@
 """Engine steps of span queries on the real engine: a hit of cached documents in a new
-combination waits for two steps (all link blocks in one, then the answer), a reordered set for
-one, a one-document miss for one; and every shortcut keeps what a hit means — the answer and
-its first-token log-probabilities equal a fresh engine's."""
+combination waits for two steps with link blocks (all of them in one, then the answer) and one
+without (the default model's span options), a reordered set for one, a one-document miss for
+one; and every shortcut keeps what a hit means — the answer and its first-token
+log-probabilities equal a fresh engine's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from span_workflows.layout import SpanOptions
 
 pytestmark = pytest.mark.engine
 
+#: One link block per span (the base model's default; the span-ready default has none).
+LINKED = SpanOptions(link_blocks=1)
 D = ("The Copperfield Library lends telescopes to its members on clear nights and asks "
      "them back before the morning bell rings at seven. ") * 2
 
@@ -36,23 +39,26 @@ def _same_answer(hit, fresh) -> None:
 
 def test_a_new_combination_of_cached_documents_waits_two_steps(engine) -> None:
     engine.reset_cache()
-    engine.execute(_ordered([A, B]), optimize_query=False)
-    engine.execute(_ordered([C, D]), optimize_query=False)
+    engine.execute(_ordered([A, B]), optimize_query=False, span_options=LINKED)
+    engine.execute(_ordered([C, D]), optimize_query=False, span_options=LINKED)
     combo = _ordered([D, A, C])  # every document cached, never together, never in this order
-    hit = engine.execute(combo, optimize_query=False, logprobs=5)
+    hit = engine.execute(combo, optimize_query=False, logprobs=5, span_options=LINKED)
     assert hit.metrics.prepare_requests == 0
     assert hit.metrics.link_requests == 2  # the first span follows its context: no link
     assert hit.metrics.engine_steps == 2  # both link requests in one step, then the answer
     assert hit.metrics.final_steps == 2
     cross = next(s for s in hit.query.spans if s.kind == "cross")
     assert hit.metrics.cached_tokens == cross.offset
-    again = engine.execute(combo, optimize_query=False)
+    again = engine.execute(combo, optimize_query=False, span_options=LINKED)
     assert again.metrics.engine_steps == 1 and again.metrics.link_requests == 0
-    _same_answer(hit, _fresh(engine, combo))
+    engine.reset_cache()
+    _same_answer(hit, engine.execute(combo, optimize_query=False, logprobs=5,
+                                     span_options=LINKED))
 
 
 def test_without_link_blocks_a_new_combination_is_one_step(engine) -> None:
-    """What ``link_blocks=0`` (the span-ready model's default) buys: no link step."""
+    """What ``link_blocks=0`` (the span-ready default model's option) buys: no link step."""
+    assert engine.span_options.link_blocks == 0  # the default model's own options
     no_links = SpanOptions(link_blocks=0)
     engine.reset_cache()
     engine.execute(_ordered([A, B]), optimize_query=False, span_options=no_links)
@@ -77,10 +83,14 @@ def test_a_reordered_set_and_stock_take_one_step(engine) -> None:
 
 def test_a_cold_query_prepares_links_and_answers_in_three_steps(engine) -> None:
     engine.reset_cache()
-    cold = engine.execute(_ordered([A, B, C]), optimize_query=False, logprobs=5)
+    cold = engine.execute(_ordered([A, B, C]), optimize_query=False, logprobs=5,
+                          span_options=LINKED)
     # the prefix is computed by the span prepares (no prepare of its own): one per span
     assert cold.metrics.prepare_requests == 3
     assert cold.metrics.engine_steps == 3
+    engine.reset_cache()
+    plain = engine.execute(_ordered([A, B, C]), optimize_query=False)  # no link blocks
+    assert plain.metrics.prepare_requests == 3 and plain.metrics.engine_steps == 2
 
 
 def test_one_document_is_computed_by_the_answer_itself_and_reused_later(engine) -> None:

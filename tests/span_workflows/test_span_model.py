@@ -1,5 +1,6 @@
-"""The span-ready bundled model: merged from the committed LoRA adapter once, verified on reuse,
-served by name, and recording the span options it was trained for."""
+"""The span-ready bundled model: the default, merged from the committed LoRA adapter once,
+verified on reuse, served by name, and recording the span options it was trained for; the base
+one name away."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from safetensors.torch import load_file
 from span_workflows.engine import available_models
 from span_workflows.model import (
     ADAPTERS_DIR,
+    BASE_MODEL_NAME,
+    DEFAULT_MODEL_NAME,
     SPAN_MODEL_NAME,
-    default_model_dir,
+    base_model_dir,
     resolve_model,
     span_defaults,
 )
@@ -27,7 +30,7 @@ def test_the_span_ready_model_is_the_base_with_the_adapter_folded_in() -> None:
     assert span_defaults(merged) == TRAINED_OPTIONS
     manifest = json.loads((merged / "span-workflows-manifest.json").read_text())
     assert set(manifest["files"]) >= {"model.safetensors", "config.json", "tokenizer.json"}
-    base = load_file(str(default_model_dir(progress=False) / "model.safetensors"))
+    base = load_file(str(base_model_dir(progress=False) / "model.safetensors"))
     tuned = load_file(str(merged / "model.safetensors"))
     assert base.keys() == tuned.keys()
     adapter = load_file(str(ADAPTERS_DIR / SPAN_MODEL_NAME / "adapter_model.safetensors"))
@@ -39,6 +42,17 @@ def test_the_span_ready_model_is_the_base_with_the_adapter_folded_in() -> None:
     for key in changed[:4]:
         delta = (tuned[key] - base[key]).norm() / base[key].norm()
         assert 0 < float(delta) < 0.5
+
+
+def test_the_span_ready_model_is_the_default_and_the_base_is_one_name_away() -> None:
+    assert DEFAULT_MODEL_NAME == SPAN_MODEL_NAME
+    merged = resolve_model(SPAN_MODEL_NAME, progress=False)
+    assert resolve_model(None, progress=False) == merged
+    base = resolve_model(BASE_MODEL_NAME, progress=False)
+    assert base == base_model_dir(progress=False) != merged
+    assert span_defaults(base) == {}  # the base records no span options: the library's own
+    cmd = server_command(None, device="cpu")
+    assert str(merged) in cmd and SPAN_MODEL_NAME in cmd
 
 
 def test_the_span_ready_model_is_served_by_its_name() -> None:

@@ -26,6 +26,7 @@ from langchain_span_workflows import (
 )
 from span_workflows import Fragment, Plus, commutative, rag
 from span_workflows.fragments import is_registered, register, span_id
+from span_workflows.model import DEFAULT_MODEL_NAME
 
 QUESTION_1 = "Who built the Varnholm lighthouse and when?"
 QUESTION_2 = "How far away can the Varnholm lighthouse light be seen?"
@@ -107,7 +108,7 @@ def test_rag_chain_reuses_documents_in_any_order(engine, retriever: SpanRetrieve
     assert second.metrics.engine_steps == 1 < first.metrics.engine_steps
     assert llm.invoke(prompt.invoke({"context": "\n\n".join(docs_1), "question": QUESTION_1})
                       ).response_metadata["engine_steps"] == 1
-    seen = usage.usage_metadata["smollm2-135m-instruct"]
+    seen = usage.usage_metadata[DEFAULT_MODEL_NAME]
     assert seen["input_token_details"]["cache_read"] == second.metrics.cached_tokens
     assert seen["input_tokens"] == second.metrics.prompt_tokens
     assert seen["total_tokens"] == seen["input_tokens"] + seen["output_tokens"]
@@ -127,7 +128,7 @@ def test_plain_chat_without_fragments(engine) -> None:
     llm = SpanChatModel(engine=engine, max_tokens=4)
     message = llm.invoke([HumanMessage("Say hi.")])
     assert [s.kind for s in llm.last_result.query.spans] == ["prefix"]
-    assert message.response_metadata["model_name"] == "smollm2-135m-instruct"
+    assert message.response_metadata["model_name"] == DEFAULT_MODEL_NAME
     assert message.response_metadata["ttft_s"] > 0
     assert message.usage_metadata["output_tokens"] == llm.last_result.metrics.generated_tokens
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from span_workflows.builders import rag
+from span_workflows.model import DEFAULT_MODEL_NAME
 from span_workflows.serving import wire
 from span_workflows.serving.client import SpanServer
 from span_workflows.serving.launch import free_port
@@ -90,7 +91,7 @@ def test_an_openai_client_gets_span_reuse_through_the_ingress(replicas) -> None:
 
     def ask(order: list[str], question: str):
         return client.chat.completions.with_raw_response.create(
-            model="smollm2-135m-instruct", max_tokens=4, temperature=0,
+            model=DEFAULT_MODEL_NAME, max_tokens=4, temperature=0,
             messages=[{"role": "user", "content": "\n\n".join(order) + "\n\n" + question}],
             extra_body={"spans": order})
 
