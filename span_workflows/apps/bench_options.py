@@ -77,6 +77,9 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                              "(256-512) (default: short,long)")
     parser.add_argument("--no-ttft", action="store_true",
                         help="quality: answers only, no span-hit TTFT columns")
+    parser.add_argument("--no-ttft-own", action="store_true",
+                        help="quality: the span-hit TTFT at 16 x 440 tokens only, not also "
+                             "at 16 documents of each size")
     parser.add_argument("--perplexity", type=int, default=0,
                         help="quality: also the model's perplexity on this many held-out "
                              "standard-library passages (default: 0, not measured)")

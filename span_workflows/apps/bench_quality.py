@@ -184,7 +184,9 @@ def hit_ttft(engine: Any, options: SpanOptions | None, pool: Sequence[str], k: i
 class AnswerStore:
     """Answers of finished (variant, document count) runs in a JSON file, so a long run that
     stops (or one variant added later) resumes without answering anything twice. Entries are
-    keyed by variant, document count, question count, seed and model."""
+    keyed by variant, document count, question count, seed and model; the span-hit TTFTs too
+    (by variant, pool, document count, repetitions and model: the 16 × 440-token pool is the
+    same for every document size, so a run of another size reuses it)."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
@@ -219,9 +221,26 @@ class AnswerStore:
 
     def put(self, key: str, answers: _Answers) -> None:
         """Store (and, with a path, save) the answers of ``key``."""
-        self.entries[key] = {"correct": answers.correct, "facts": answers.facts,
-                             "first": [{str(t): lp for t, lp in d.items()}
-                                       for d in answers.first]}
+        self._save(key, {"correct": answers.correct, "facts": answers.facts,
+                         "first": [{str(t): lp for t, lp in d.items()}
+                                   for d in answers.first]})
+
+    @staticmethod
+    def ttft_key(variant: str, pool: str, k: int, reps: int, model: str) -> str:
+        """The entry name of one span-hit TTFT measurement."""
+        return f"ttft|{variant}|pool={pool}|docs={k}|reps={reps}|model={model}"
+
+    def timed(self, key: str, measure: Callable[[], tuple[float, int]]) -> tuple[float, int]:
+        """The stored (TTFT, engine steps) of ``key``, or ``measure()``'s, then stored."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            return float(entry["ttft_s"]), int(entry["steps"])
+        ttft, steps = measure()
+        self._save(key, {"ttft_s": ttft, "steps": steps})
+        return ttft, steps
+
+    def _save(self, key: str, entry: dict[str, Any]) -> None:
+        self.entries[key] = entry
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.entries))
@@ -230,12 +249,14 @@ class AnswerStore:
 def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequence[int],
                   count: int, *, seed: int = 0, ttft_docs: int = 16, ttft_doc_tokens: int = 440,
                   reps: int = 3, progress: bool = True, store: AnswerStore | None = None,
-                  sizes: Sequence[str] = ("short",)) -> list[dict[str, Any]]:
+                  sizes: Sequence[str] = ("short",), ttft_own: bool = True
+                  ) -> list[dict[str, Any]]:
     """One row per (document size, document count, variant); see the module docstring.
     ``stock`` is always run (the reference of ``kl_first_token``, ``delta_vs_stock`` and
     ``speedup_hit``), and so is the ``full@`` variant of each span variant's layout (the
     reference of ``kl_vs_layout``) when ``variant_names`` lists it. Answers found in ``store``
-    are not computed again; ``ttft_docs=0`` skips the TTFT columns (``None``)."""
+    are not computed again; ``ttft_docs=0`` skips the TTFT columns (``None``), ``ttft_own=False``
+    the ``…_own`` ones (the hit at 16 × 440 tokens only)."""
     from tqdm.auto import tqdm
 
     from span_workflows.apps.corpus import documents
@@ -287,19 +308,25 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     # Span-hit TTFT of a new combination of cached documents: 16 × 440 tokens (the headline,
     # as in bench rag) and 16 documents of each size of this run's questions.
     pools = {"440": documents(engine.tokenizer, 3 * ttft_docs, ttft_doc_tokens)}
-    for size in sizes:
+    for size in sizes if ttft_own else ():
         pools[size] = [q.documents[0] for q in make_questions(
             3 * ttft_docs, 1, seed, size=size, count_tokens=count_tokens)]
     question = "Which module do the documents describe first?"
     timed: dict[tuple[str, str], tuple[float, int]] = {}
     for pool_name, pool in pools.items():
-        timed[("stock", pool_name)] = hit_ttft(engine, None, pool, ttft_docs, question, reps)
         for v in variants:
-            if v.is_span:
-                timed[(v.name, pool_name)] = hit_ttft(engine, v.options, pool, ttft_docs,
-                                                      question, reps)
+            if v.is_span or v.name == "stock":
+                key = store.ttft_key(v.name, pool_name if pool_name == "440" else
+                                     f"{pool_name}-seed{seed}", ttft_docs, reps, model)
+                timed[(v.name, pool_name)] = store.timed(key, lambda v=v, pool=pool: hit_ttft(
+                    engine, v.options, pool, ttft_docs, question, reps))
     for row in rows:
         for suffix, pool_name in (("", "440"), ("_own", row["size"])):
+            if ("stock", pool_name) not in timed:  # not measured (ttft_own=False)
+                for name in (f"ttft_hit{suffix}_s", f"speedup_hit{suffix}",
+                             f"steps_hit{suffix}"):
+                    row[name] = None
+                continue
             hit = timed.get((row["variant"], pool_name))
             stock_ttft = timed[("stock", pool_name)][0]
             row[f"ttft_hit{suffix}_s"] = hit[0] if hit else None
@@ -424,7 +451,8 @@ def run_quality(args: Any) -> int:
         rows = bench_quality(engine, names, args.docs or [4, 8], args.questions,
                              seed=args.seed, reps=args.reps, store=store,
                              sizes=args.sizes or ["short", "long"],
-                             ttft_docs=0 if args.no_ttft else 16)
+                             ttft_docs=0 if args.no_ttft else 16,
+                             ttft_own=not args.no_ttft_own)
     finally:
         engine.close()
     if args.perplexity > 0:  # did tuning make the model forget plain text?

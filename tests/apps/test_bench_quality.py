@@ -209,3 +209,21 @@ def test_perplexity_of_held_out_text_is_finite_and_names_the_standard_library(
     random.Random(0).shuffle(words)
     shuffled = [" ".join(words[i::3]) for i in range(3)]
     assert perplexity(resolve_model(progress=False), shuffled, max_tokens=64) > 2 * value
+
+
+def test_a_span_hit_ttft_is_measured_once_per_pool_and_kept(tmp_path: Path) -> None:
+    """The 16 × 440-token TTFT does not depend on the rows' document size: a second run (of
+    another size) reads it from the answers file instead of timing it again."""
+    path = tmp_path / "answers.json"
+    calls: list[str] = []
+
+    def measure() -> tuple[float, int]:
+        calls.append("timed")
+        return 0.25, 1
+
+    key = bq.AnswerStore.ttft_key("prefix", "440", 16, 1, "m")
+    assert bq.AnswerStore(path).timed(key, measure) == (0.25, 1)
+    assert bq.AnswerStore(path).timed(key, measure) == (0.25, 1)
+    assert calls == ["timed"]
+    other = bq.AnswerStore.ttft_key("prefix", "440", 16, 3, "m")  # other repetitions
+    assert bq.AnswerStore(path).timed(other, measure) == (0.25, 1) and len(calls) == 2
