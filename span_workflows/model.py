@@ -6,11 +6,12 @@ never imported). It is converted once into a safetensors model directory (weight
 chat template) under ``$SPAN_WORKFLOWS_CACHE`` (default ``~/.cache/span-workflows``), keyed by
 the GGUF's checksum, and verified against a manifest of checksums each time it is reused.
 
-The *default*, ``smollm2-135m-instruct-span``, is the base with the span-ready LoRA adapter this
+The *span-ready* variant, ``smollm2-135m-instruct-span``, is the base with the LoRA adapter this
 package ships (``span_workflows/adapters/<name>/``, trained by ``span-workflows tune``) merged
 into its weights (:func:`merge_adapter`, which needs ``peft``): a plain checkpoint in the same
-cache, keyed by the adapter's checksum and verified the same way. It answers better than the
-base in span mode and in stock mode alike (README "Quality"); the base stays one name away.
+cache, keyed by the adapter's checksum and verified the same way. It answers RAG questions better
+than the base in span mode and in stock mode alike, but no longer calls tools (README
+"Quality"), so the base stays the default and the span-ready model is one name away.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ BASE_MODEL_NAME = "smollm2-135m-instruct"
 #: The base fine-tuned for span mode (its adapter ships with this package).
 SPAN_MODEL_NAME = "smollm2-135m-instruct-span"
 #: What an engine, a server and the framework components run unless told otherwise.
-DEFAULT_MODEL_NAME = SPAN_MODEL_NAME
+DEFAULT_MODEL_NAME = BASE_MODEL_NAME
 #: Model names this package provides, besides local directories.
-BUNDLED_MODELS: tuple[str, ...] = (SPAN_MODEL_NAME, BASE_MODEL_NAME)
+BUNDLED_MODELS: tuple[str, ...] = (BASE_MODEL_NAME, SPAN_MODEL_NAME)
 ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 #: A span-ready model's (and adapter's) record of the span options it answers best with.
 SPAN_DEFAULTS_FILE = "span_workflows.json"
@@ -52,15 +53,15 @@ def cache_dir() -> Path:
 def resolve_model(name_or_path: str | None = None, *, progress: bool = True) -> Path:
     """Return a local model directory for ``name_or_path``.
 
-    ``None`` or ``"smollm2-135m-instruct-span"`` → the span-ready default (merged on first
-    use); ``"smollm2-135m-instruct"`` → the base (converted on first use); an existing
-    directory with a ``config.json`` → that directory. Anything else raises
+    ``None`` or ``"smollm2-135m-instruct"`` → the base, the default (converted on first use);
+    ``"smollm2-135m-instruct-span"`` → the span-ready variant (merged on first use); an
+    existing directory with a ``config.json`` → that directory. Anything else raises
     :class:`ModelNotAvailableError` (for example spnl's ``spnl/ibm-granite/...`` names).
     """
-    if name_or_path is None or name_or_path.lower() == SPAN_MODEL_NAME:
-        return span_model_dir(progress=progress)
-    if name_or_path.lower() == BASE_MODEL_NAME:
+    if name_or_path is None or name_or_path.lower() == BASE_MODEL_NAME:
         return base_model_dir(progress=progress)
+    if name_or_path.lower() == SPAN_MODEL_NAME:
+        return span_model_dir(progress=progress)
     path = Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
@@ -94,7 +95,7 @@ def base_model_dir(*, progress: bool = True) -> Path:
 
 
 def span_model_dir(*, progress: bool = True) -> Path:
-    """Merge (once) and verify the span-ready default model; return its directory."""
+    """Merge (once) and verify the span-ready model; return its directory."""
     adapter = ADAPTERS_DIR / SPAN_MODEL_NAME
     if not (adapter / "adapter_config.json").is_file():
         raise ModelNotAvailableError(SPAN_MODEL_NAME, path=f"adapter ({adapter} missing)")

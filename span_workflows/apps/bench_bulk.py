@@ -173,6 +173,8 @@ class Setting:
     seed: int = 0
     #: runs of each schedule where the working set fits (seconds each: the median is kept)
     fit_reps: int = 3
+    #: the engines' model (``None``: the default)
+    model: str | None = None
 
 
 def _timed_bulk(engine: Any, queries: Sequence[Any], schedule: str, setting: Setting,
@@ -200,7 +202,8 @@ def one_engine_rows(setting: Setting) -> dict[str, Any]:
     from span_workflows.engine import Engine
     from span_workflows.scaleout.keys import QueryKeyer
 
-    engine = Engine(kv_cache_gib=1, kv_cache_blocks=setting.cache_blocks, load_progress=False)
+    engine = Engine(setting.model, kv_cache_gib=1, kv_cache_blocks=setting.cache_blocks,
+                    load_progress=False)
     cache = engine.cache_tokens
     keyer = QueryKeyer(engine.tokenizer, engine.block_size)
     rows, references = [], {}
@@ -250,14 +253,14 @@ def ray_rows(setting: Setting, references: dict[float, Any], cache_tokens: int,
     from span_workflows.model import resolve_model
     from span_workflows.scaleout.bulk import BulkOptions, run_bulk_on_ray
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(progress=False)))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(setting.model, progress=False)))
     rows = []
     for ratio, ref in references.items():
         if ratio <= 1:
             continue
         shape = TraceShape(**ref["shape"])
         queries = make_queries(shape, _texts(tokenizer, shape))
-        options = BulkOptions(replicas=replicas, num_cpus=1, kv_cache_gib=1,
+        options = BulkOptions(model=setting.model, replicas=replicas, num_cpus=1, kv_cache_gib=1,
                               kv_cache_blocks=setting.cache_blocks,
                               max_in_flight=setting.max_in_flight, seed=setting.seed,
                               env={"VLLM_LOGGING_LEVEL": "ERROR"})
@@ -383,6 +386,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--alone", type=int, default=3,
                    help="queries also run alone per working set, for same_answers")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace (default: 0)")
+    p.add_argument("--model", default=None,
+                   help="the engines' model: a bundled name or a local HF directory "
+                        "(default: smollm2-135m-instruct)")
     p.add_argument("--fit-reps", type=int, default=3,
                    help="runs of each bulk whose working set fits the cache; the median "
                         "wall time is kept (default: 3)")
@@ -409,7 +415,7 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
     for doc_tokens in args.doc_tokens:
         setting = Setting(doc_tokens, args.cache_blocks or CACHE_BLOCKS.get(doc_tokens, 192),
                           tuple(args.ratios), args.uses_per_doc, args.max_in_flight,
-                          args.alone, args.seed, args.fit_reps)
+                          args.alone, args.seed, args.fit_reps, args.model)
         key = json.dumps(asdict(setting), sort_keys=True)
         part = parts.get(key)
         if part is None:

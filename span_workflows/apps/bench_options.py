@@ -45,7 +45,7 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
     parser.add_argument("--blocks", type=_ints, default=[1, 16, 64, 256],
                         help="reposition: numbers of blocks moved (default: 1,16,64,256)")
     parser.add_argument("--model", help="bundled name or local HF model directory "
-                                        "(default: smollm2-135m-instruct-span)")
+                                        "(default: smollm2-135m-instruct)")
     parser.add_argument("--hay-chars", type=_ints, default=None,
                         help="locality, needle: characters of text around the needle "
                              "(default: locality 0,200,400,800; needle 10,100,1000)")

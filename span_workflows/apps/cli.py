@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="RAG over the Python stdlib docs, span vs stock",
                           parents=[common])
     demo.add_argument("--model", help="bundled name or local HF model directory "
-                                      "(default: smollm2-135m-instruct-span)")
+                                      "(default: smollm2-135m-instruct)")
     demo.set_defaults(func=_cmd_demo)
 
     run = sub.add_parser("run", help="run span queries (JSON files) in order on one engine, "
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
     )
     serve.add_argument("--model", help="bundled name, local HF model directory or hub id "
-                                       "(default: smollm2-135m-instruct-span)")
+                                       "(default: smollm2-135m-instruct)")
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")

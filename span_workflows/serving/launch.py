@@ -146,8 +146,7 @@ def serve(
 ) -> None:
     """Run the span server in the foreground until interrupted (replaces this process).
 
-    ``model``: ``None`` (the bundled default, ``"smollm2-135m-instruct-span"``), a bundled name
-    (``"smollm2-135m-instruct"``: its base), a local Hugging Face model directory, or
+    ``model``: ``None``/``"smollm2-135m-instruct"``, a local Hugging Face model directory, or
     a hub id (``meta-llama/Llama-3.1-8B-Instruct``). ``extra_args`` are passed to vLLM's
     server as is, after the defaults (e.g. ``["--tensor-parallel-size", "2", "--dtype",
     "bfloat16"]``); ``block_size=None`` means 32 on CPU, vLLM's default on a GPU.

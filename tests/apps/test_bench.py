@@ -29,8 +29,7 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
         assert row["steps_stock"] == row["steps_hit"] == 1
     one, three = rows
     assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
-    # the default model links nothing: a new combination is read in the answer's own step
-    assert three["steps_new_combination"] == 1
+    assert three["steps_new_combination"] == 2  # the links in one step, then the answer
 
 
 @pytest.mark.engine

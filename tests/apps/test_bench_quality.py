@@ -183,7 +183,10 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
         assert linked["steps_hit_own"] == 2 and by_name[size, "stock"]["steps_hit"] == 1
         assert by_name[size, "full@pad-after"]["ttft_hit_s"] is None
     saved = json.loads((tmp_path / "answers.json").read_text())
-    assert len(saved) == 6 and all("links=batched" in k for k in saved if "/link" in k)
+    answered = [k for k in saved if not k.startswith("ttft|")]
+    assert len(answered) == 6 and all("links=batched" in k for k in answered if "/link" in k)
+    # stock's and the span variant's hits, at 16 x 440 and in each size's own pool
+    assert len(saved) - len(answered) == 2 * (1 + len(sizes))
 
     counting.answering_calls = 0
     again = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
@@ -191,6 +194,7 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
                              sizes=sizes)
     assert counting.answering_calls == 0  # every answer came from the file
     assert [r["accuracy"] for r in again] == [r["accuracy"] for r in rows]
+    assert [r["ttft_hit_s"] for r in again] == [r["ttft_hit_s"] for r in rows]  # and each hit
 
 
 def test_perplexity_of_held_out_text_is_finite_and_names_the_standard_library(

@@ -1,6 +1,6 @@
 """Engine steps of span queries on the real engine: a hit of cached documents in a new
 combination waits for two steps with link blocks (all of them in one, then the answer) and one
-without (the default model's span options), a reordered set for one, a one-document miss for
+without (the span-ready model's span options), a reordered set for one, a one-document miss for
 one; and every shortcut keeps what a hit means — the answer and its first-token
 log-probabilities equal a fresh engine's."""
 
@@ -15,7 +15,7 @@ from span_workflows.layout import SpanOptions
 
 pytestmark = pytest.mark.engine
 
-#: One link block per span (the base model's default; the span-ready default has none).
+#: One link block per span (the default; the span-ready model records none).
 LINKED = SpanOptions(link_blocks=1)
 D = ("The Copperfield Library lends telescopes to its members on clear nights and asks "
      "them back before the morning bell rings at seven. ") * 2
@@ -57,8 +57,7 @@ def test_a_new_combination_of_cached_documents_waits_two_steps(engine) -> None:
 
 
 def test_without_link_blocks_a_new_combination_is_one_step(engine) -> None:
-    """What ``link_blocks=0`` (the span-ready default model's option) buys: no link step."""
-    assert engine.span_options.link_blocks == 0  # the default model's own options
+    """What ``link_blocks=0`` (the span-ready model's option) buys: no link step."""
     no_links = SpanOptions(link_blocks=0)
     engine.reset_cache()
     engine.execute(_ordered([A, B]), optimize_query=False, span_options=no_links)
@@ -89,7 +88,8 @@ def test_a_cold_query_prepares_links_and_answers_in_three_steps(engine) -> None:
     assert cold.metrics.prepare_requests == 3
     assert cold.metrics.engine_steps == 3
     engine.reset_cache()
-    plain = engine.execute(_ordered([A, B, C]), optimize_query=False)  # no link blocks
+    plain = engine.execute(_ordered([A, B, C]), optimize_query=False,
+                           span_options=SpanOptions(link_blocks=0))
     assert plain.metrics.prepare_requests == 3 and plain.metrics.engine_steps == 2
 
 

@@ -1,6 +1,6 @@
-"""The span-ready bundled model: the default, merged from the committed LoRA adapter once,
-verified on reuse, served by name, and recording the span options it was trained for; the base
-one name away."""
+"""The span-ready bundled model: merged from the committed LoRA adapter once, verified on reuse,
+served by name, and recording the span options it was trained for; one name away from the
+default, the base."""
 
 from __future__ import annotations
 
@@ -44,15 +44,15 @@ def test_the_span_ready_model_is_the_base_with_the_adapter_folded_in() -> None:
         assert 0 < float(delta) < 0.5
 
 
-def test_the_span_ready_model_is_the_default_and_the_base_is_one_name_away() -> None:
-    assert DEFAULT_MODEL_NAME == SPAN_MODEL_NAME
-    merged = resolve_model(SPAN_MODEL_NAME, progress=False)
-    assert resolve_model(None, progress=False) == merged
-    base = resolve_model(BASE_MODEL_NAME, progress=False)
-    assert base == base_model_dir(progress=False) != merged
+def test_the_base_is_the_default_and_the_span_ready_model_one_name_away() -> None:
+    assert DEFAULT_MODEL_NAME == BASE_MODEL_NAME
+    base = resolve_model(None, progress=False)
+    assert base == resolve_model(BASE_MODEL_NAME, progress=False) == base_model_dir(
+        progress=False)
+    assert resolve_model(SPAN_MODEL_NAME, progress=False) != base
     assert span_defaults(base) == {}  # the base records no span options: the library's own
     cmd = server_command(None, device="cpu")
-    assert str(merged) in cmd and SPAN_MODEL_NAME in cmd
+    assert str(base) in cmd and BASE_MODEL_NAME in cmd and SPAN_MODEL_NAME not in cmd
 
 
 def test_the_span_ready_model_is_served_by_its_name() -> None:
