@@ -191,8 +191,8 @@ def item_loss(model: Any, item: _Item) -> Any:
 
 
 def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
-    """The base model (float32, on ``device``; ``None``: the bundled base SmolLM2-135M, not
-    the already span-ready default), its tokenizer and its directory."""
+    """The base model (float32, on ``device``; ``None``: the bundled base SmolLM2-135M, whatever
+    the default model is), its tokenizer and its directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
