@@ -1,5 +1,6 @@
 """Shared fixtures. One real SmolLM2-135M engine serves every test of a pytest run: vLLM's
-in-process engine cannot be started twice in one process."""
+in-process engine cannot be started twice in one process; one span server serves the HTTP
+test modules that need no settings of their own."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def tokenizer():
     from span_workflows.model import resolve_model
 
     return AutoTokenizer.from_pretrained(str(resolve_model(progress=False)))
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory: pytest.TempPathFactory):
+    """The span server of :mod:`shared_server`, started on first use, stopped at the end."""
+    from shared_server import shared_server_process
+
+    with shared_server_process(tmp_path_factory.mktemp("shared-server") / "server.log") as s:
+        yield s

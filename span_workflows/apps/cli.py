@@ -243,6 +243,12 @@ def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
                       help="share of examples in span form (the rest: stock form, text)")
     tune.add_argument("--link-share", type=float, default=defaults.link_share,
                       help="share of span-form examples with one link block")
+    tune.add_argument("--tool-share", type=float, default=defaults.tool_share,
+                      help="share of examples that are agent turns with tools (keeps the "
+                           f"model calling tools; default: {defaults.tool_share})")
+    tune.add_argument("--init-adapter", type=Path, default=None,
+                      help="start from this adapter directory (e.g. a span-ready model's, to "
+                           "tune it further) instead of a fresh LoRA initialization")
     tune.add_argument("--max-doc-tokens", type=int, default=defaults.doc_tokens[1],
                       help="longest document of an example, in tokens")
     tune.add_argument("--max-docs", type=int, default=defaults.docs_per_prompt[1],
@@ -267,7 +273,8 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     config = TuneConfig(
         examples=args.examples, seed=args.seed, rank=args.rank, alpha=2 * args.rank,
         learning_rate=args.learning_rate, accumulate=args.accumulate,
-        span_share=args.span_share, link_share=args.link_share,
+        span_share=args.span_share, link_share=args.link_share, tool_share=args.tool_share,
+        init_adapter=None if args.init_adapter is None else str(args.init_adapter),
         doc_tokens=(defaults.doc_tokens[0], args.max_doc_tokens),
         docs_per_prompt=(defaults.docs_per_prompt[0], args.max_docs))
     report = tune(args.out, config, model=args.model, device=args.device,

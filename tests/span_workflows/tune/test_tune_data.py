@@ -66,3 +66,48 @@ def test_plain_passages_are_prose_and_never_standard_library_documentation() -> 
 
     stdlib = {p.text[:60] for p in stdlib_passages(["json", "pathlib"])}
     assert not any(p[:60] in stdlib for p in passages)
+
+
+def _tool_results(example) -> list[str]:
+    """The names of the tools whose results the turn's messages hold."""
+    return [text.split()[1] for role, text in example.messages if role == "tool"]
+
+
+def test_agent_turns_call_what_is_still_needed_then_answer_from_the_results() -> None:
+    from span_workflows.sampling import parse_answer
+    from span_workflows.tune.tool_data import make_tool_examples
+
+    turns = make_tool_examples(200, seed=4)
+    assert turns == make_tool_examples(200, seed=4)
+    calling = answering = 0
+    for turn in turns:
+        offered = {t.name for t in turn.tools}
+        assert set(turn.used) <= set(_tool_results(turn)) and set(turn.used) <= offered
+        content, calls = parse_answer(turn.answer)
+        question = next(text for role, text in turn.messages if role == "user")
+        if calls:
+            calling += 1
+            names = [c.name for c in calls]
+            assert set(names) <= offered and not set(names) & set(_tool_results(turn))
+            towns = {v for c in calls for v in c.arguments.values()}  # one town, asked about
+            assert len(towns) == 1 and towns.pop() in question, turn
+        else:
+            answering += 1
+            assert content
+            for role, text in turn.messages:  # the answer repeats every result it read
+                if role == "tool":
+                    assert text.split(": ", 1)[1] in content
+    assert calling > 80 and answering > 40
+    # some turns come after a turn that called several tools at once, some after one call
+    histories = [len(_tool_results(t)) for t in turns]
+    assert max(histories) >= 2 and histories.count(1) > 10
+
+
+def test_agent_turns_share_nothing_with_the_agent_tests() -> None:
+    from span_workflows.tune.tool_data import make_tool_examples
+
+    text = " ".join(
+        " ".join([*(m for _, m in t.messages), *(s.name + s.description for s in t.tools),
+                  t.answer]) for t in make_tool_examples(400, seed=0))
+    for held_out in ("weather", "population", "Varnholm", "inhabitants", "Foggy"):
+        assert held_out.lower() not in text.lower(), held_out

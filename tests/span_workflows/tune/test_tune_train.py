@@ -55,6 +55,19 @@ def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, 
     tuned = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
     assert _mean_loss(tuned, stream, range(6)) < before - 0.1
 
+    # further tuning starts from the adapter: a run over the first 3 of the same examples
+    # begins at a lower loss than the fresh run did, and its log records the run it continued
+    more = tmp_path / "more"
+    further = [*TINY[2:], "--examples", "3", "--init-adapter", str(out / "adapter")]
+    assert main(["tune", "--out", str(more), *further]) == 0
+    capsys.readouterr()
+    continued = json.loads((more / "adapter" / "training_log.json").read_text())
+    assert continued["losses"][0] < log["losses"][0] - 0.1
+    assert [c["examples"] for c in continued["continued"]] == [12]
+    assert main(["tune", "--out", str(tmp_path / "other"), *further, "--rank", "8"]) == 2
+    said = capsys.readouterr().err
+    assert "--init-adapter" in said and "rank 4" in said
+
     # a run with other settings in the same directory is refused, naming the directory
     assert main(["tune", "--out", str(out), *TINY[:-2], "--seed", "6"]) == 2
     assert "--out" in capsys.readouterr().err
@@ -81,3 +94,25 @@ def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, 
     # its engine took the options the model records: no link blocks (the base's default
     # links the second document)
     assert answer["metrics"]["prepare_requests"] == 2 and answer["metrics"]["link_requests"] == 0
+
+
+def test_an_agent_turn_is_trained_on_the_prompt_the_engine_runs_for_it(engine) -> None:
+    from span_workflows.fragments import lift_messages
+    from span_workflows.sampling import Sampling
+    from span_workflows.tune.tool_data import make_tool_examples
+    from span_workflows.tune.train import TRAINED_OPTIONS
+
+    config = TuneConfig(examples=40, seed=2, span_share=0.0, text_share=0.0, tool_share=1.0,
+                        block_sizes=(engine.compiler.block_size,))
+    stream = ExampleStream(config, engine.tokenizer)
+    turns = make_tool_examples(40, seed=2)
+    checked = 0
+    for i in (0, 1, 2, 3, 4, 5):
+        item, turn = stream.item(i), turns[i]
+        query = lift_messages(turn.messages, max_tokens=len(item.answer_ids),
+                              sampling=Sampling(tools=turn.tools, used_tools=turn.used))
+        ran = engine.compile(query, span_options=dict(TRAINED_OPTIONS))
+        assert item.form == "span" and item.query.token_ids == ran.token_ids
+        assert engine.tokenizer.decode(item.answer_ids[:-1]) == turn.answer
+        checked += "You can call these tools:" in engine.tokenizer.decode(ran.token_ids)
+    assert checked == 6

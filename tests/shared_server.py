@@ -1,0 +1,44 @@
+"""The span server the HTTP test modules share (``shared_server`` fixture in conftest.py):
+one process for the session instead of one per module, since each start loads vLLM and the
+model again. Its modules must not need a fresh server: they may reset its prefix cache
+(``/reset_prefix_cache``, dev mode) but not change its settings."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from span_workflows.serving.launch import start_server_process, stop_server_process
+
+#: The bearer token the shared server requires.
+API_KEY = "span-tests-key"
+
+
+@dataclass(frozen=True)
+class SharedServer:
+    """A running server: its process, its URL and the API key it requires."""
+
+    proc: subprocess.Popen
+    url: str
+    api_key: str = API_KEY
+
+
+@contextmanager
+def shared_server_process(log_path: Path) -> Iterator[SharedServer]:
+    """Start the shared server (dev mode, 1 GiB of KV cache, 4096-token context, loopback,
+    ``API_KEY``); yield it; stop it and check it has exited."""
+    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")
+        proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=900,
+                                         log_path=log_path, max_model_len=4096)
+    try:
+        yield SharedServer(proc, url)
+    finally:
+        stop_server_process(proc)
+        assert proc.poll() is not None
