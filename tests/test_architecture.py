@@ -37,7 +37,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "serving.chat_route", "serving.spnl_route", "scaleout", "scaleout.affinity",
               "scaleout.keys", "scaleout.simulate", "scaleout.ray_router", "scaleout.deployment",
               "scaleout.bulk", "scaleout.ray_env", "tune", "tune.data", "tune.forward",
-              "tune.train"),
+              "tune.tool_data", "tune.train"),
     "boundary": ("vllm_io", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments"),
