@@ -3,8 +3,10 @@
 The recipe (Block-Attention's, with this engine's exact span semantics): most examples are
 RAG queries in *span form* — the loss is taken on the answer after :func:`span_forward`, which
 computes the prompt as the engine does in span mode — the rest in *stock form* (the plain chat
-prompt) and a few plain-text passages with an ordinary language-modelling loss, so what the model
-does outside span mode is kept. Only LoRA adapters (``peft``) on the attention and MLP
+prompt), agent turns with tools (:mod:`span_workflows.tune.tool_data`, compiled as the engine
+compiles an agent's prompt) and a few plain-text passages with an ordinary language-modelling
+loss, so what the model does outside span mode is kept. ``init_adapter`` continues from an
+existing adapter instead of a fresh one. Only LoRA adapters (``peft``) on the attention and MLP
 projections are trained; the base weights stay as they are.
 
 Training is resumable: every ``checkpoint_every`` optimizer steps the adapter, the optimizer,
