@@ -1,7 +1,8 @@
-"""The span server the HTTP test modules share (``shared_server`` fixture in conftest.py):
-one process for the session instead of one per module, since each start loads vLLM and the
-model again. Its modules must not need a fresh server: they may reset its prefix cache
-(``/reset_prefix_cache``, dev mode) but not change its settings."""
+"""Span servers in vLLM's dev mode for tests, and the one the HTTP test modules share
+(``shared_server`` fixture in conftest.py): one process for the session instead of one per
+module, since each start loads vLLM and the model again. Its modules must not need a fresh
+server: they may reset its prefix cache (``/reset_prefix_cache``, dev mode) but not change its
+settings."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,24 +23,31 @@ API_KEY = "span-tests-key"
 
 @dataclass(frozen=True)
 class SharedServer:
-    """A running server: its process, its URL and the API key it requires."""
+    """A running server: its process and its URL."""
 
     proc: subprocess.Popen
     url: str
-    api_key: str = API_KEY
+
+
+@contextmanager
+def dev_mode_server(log_path: Path, **options: Any) -> Iterator[tuple[subprocess.Popen, str]]:
+    """Start ``span-workflows serve`` (``options`` as for ``start_server_process``) with
+    ``/reset_prefix_cache`` on; yield ``(process, url)``; stop it and check it has exited."""
+    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_SERVER_DEV_MODE", "1")
+        proc, url = start_server_process(log_path=log_path, **options)
+    try:
+        yield proc, url
+    finally:
+        stop_server_process(proc)
+        assert proc.poll() is not None
 
 
 @contextmanager
 def shared_server_process(log_path: Path) -> Iterator[SharedServer]:
-    """Start the shared server (dev mode, 1 GiB of KV cache, 4096-token context, loopback,
-    ``API_KEY``); yield it; stop it and check it has exited."""
-    # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_SERVER_DEV_MODE", "1")
-        proc, url = start_server_process(api_key=API_KEY, kv_cache_gib=1, timeout=900,
-                                         log_path=log_path, max_model_len=4096)
-    try:
+    """The shared server: dev mode, 1 GiB of KV cache, 4096-token context, loopback,
+    ``API_KEY``."""
+    with dev_mode_server(log_path, api_key=API_KEY, kv_cache_gib=1, timeout=900,
+                         max_model_len=4096) as (proc, url):
         yield SharedServer(proc, url)
-    finally:
-        stop_server_process(proc)
-        assert proc.poll() is not None

