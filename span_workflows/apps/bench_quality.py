@@ -239,6 +239,17 @@ class AnswerStore:
         self._save(key, {"ttft_s": ttft, "steps": steps})
         return ttft, steps
 
+    def measured(self, key: str, measure: Callable[[], float]) -> float:
+        """The stored value of ``key`` (a measurement of one model, such as its held-out
+        perplexity: the key names the model's directory, checksum included), or
+        ``measure()``'s, then stored."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            return float(entry["value"])
+        value = measure()
+        self._save(key, {"value": value})
+        return value
+
     def _save(self, key: str, entry: dict[str, Any]) -> None:
         self.entries[key] = entry
         if self.path is not None:
@@ -458,14 +469,13 @@ def run_quality(args: Any) -> int:
     if args.perplexity > 0:  # did tuning make the model forget plain text?
         from span_workflows.apps.perplexity import heldout_passages, perplexity
 
-        value = perplexity(engine_dir, heldout_passages(args.perplexity))
+        value = store.measured(
+            f"perplexity|passages={args.perplexity}|model={Path(str(engine_dir)).name}",
+            lambda: perplexity(engine_dir, heldout_passages(args.perplexity)))
         for row in rows:
             row["perplexity"] = value
-    if args.merge_json and args.merge_json.exists():  # rows of other models, kept
-        previous = json.loads(args.merge_json.read_text())
-        ours = {(r["model"], r["size"], r["n_docs"], r["variant"]) for r in rows}
-        rows = [r for r in previous if (r.get("model"), r.get("size", "short"), r["n_docs"],
-                                        r["variant"]) not in ours] + rows
+    if args.merge_json and args.merge_json.exists():  # rows of other runs, kept
+        rows = merge_rows(json.loads(args.merge_json.read_text()), rows)
     print_table(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -476,6 +486,17 @@ def run_quality(args: Any) -> int:
     if args.plot:
         plot_quality(rows, args.plot)
     return 0
+
+
+def merge_rows(previous: list[dict[str, Any]], rows: list[dict[str, Any]]
+               ) -> list[dict[str, Any]]:
+    """``previous`` rows (an earlier run's JSON) with this run's ``rows`` in place of those
+    of the same model, document size, document count and variant, which come last."""
+    def ident(row: dict[str, Any]) -> tuple[Any, ...]:
+        return row.get("model"), row.get("size", "short"), row["n_docs"], row["variant"]
+
+    ours = {ident(r) for r in rows}
+    return [r for r in previous if ident(r) not in ours] + rows
 
 
 def _variant(name: str) -> Variant:
@@ -535,5 +556,5 @@ def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> floa
 
 
 __all__ = ["DEFAULT_VARIANTS", "MAX_TOKENS", "SYSTEM", "VARIANTS", "AnswerStore", "Variant",
-           "answer", "bench_quality", "hit_ttft", "kl_top", "markdown_table",
+           "answer", "bench_quality", "hit_ttft", "kl_top", "markdown_table", "merge_rows",
            "new_combinations", "paired_delta", "plot_quality", "run_quality"]

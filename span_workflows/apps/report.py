@@ -9,11 +9,12 @@ from typing import Any
 
 
 def print_table(rows: list[dict[str, Any]], console: Callable[[str], None] = print) -> None:
-    """A plain aligned table of ``rows``."""
+    """A plain aligned table of ``rows``: a column for every key any row has (in the order
+    they first appear), ``–`` where a row lacks it (rows of earlier runs may have more)."""
     if not rows:
         return
-    keys = list(rows[0])
-    cells = [[_fmt(r[k]) for k in keys] for r in rows]
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_fmt(r[k]) if k in r else "–" for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     console("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))
     for c in cells:

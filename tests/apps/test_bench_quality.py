@@ -12,7 +12,7 @@ import pytest
 from span_workflows.apps import bench_quality as bq
 from span_workflows.apps.cli import main
 from span_workflows.apps.qa_set import QUESTION_KINDS, is_correct, make_questions
-from span_workflows.apps.report import wilson
+from span_workflows.apps.report import print_table, wilson
 
 ROW_KEYS = {"model", "size", "variant", "n_docs", "questions", "accuracy", "ci_low", "ci_high",
             "delta_vs_stock", "delta_low", "delta_high",
@@ -231,3 +231,38 @@ def test_a_span_hit_ttft_is_measured_once_per_pool_and_kept(tmp_path: Path) -> N
     assert calls == ["timed"]
     other = bq.AnswerStore.ttft_key("prefix", "440", 16, 3, "m")  # other repetitions
     assert bq.AnswerStore(path).timed(other, measure) == (0.25, 1) and len(calls) == 2
+
+
+def test_rows_of_an_earlier_run_merge_and_print_with_their_extra_columns(tmp_path: Path
+                                                                          ) -> None:
+    """An earlier run measured the model's perplexity, this one did not: merging keeps the
+    earlier rows this run did not redo, replaces the ones it did, and the table prints every
+    column (a dash where a row lacks one) instead of failing on the first row's keys."""
+    def row(model: str, variant: str, accuracy: float, **more: float) -> dict:
+        return {"model": model, "size": "long", "n_docs": 4, "variant": variant,
+                "accuracy": accuracy, **more}
+
+    previous = [row("base", "stock", 0.5, perplexity=22.9),
+                row("base", "prefix", 0.25, perplexity=22.9),
+                row("tuned", "stock", 0.75, perplexity=23.8)]
+    ours = [row("base", "stock", 0.5), row("base", "prefix/link2", 0.5)]
+    merged = bq.merge_rows(previous, ours)
+    assert [(r["model"], r["variant"]) for r in merged] == [
+        ("base", "prefix"), ("tuned", "stock"), ("base", "stock"), ("base", "prefix/link2")]
+    lines: list[str] = []
+    print_table(merged, lines.append)
+    assert lines[0].split() == ["model", "size", "n_docs", "variant", "accuracy", "perplexity"]
+    assert lines[-1].split()[-2:] == ["0.5000", "–"] and lines[1].split()[-1] == "22.9000"
+
+
+def test_a_models_perplexity_is_measured_once_and_kept(tmp_path: Path) -> None:
+    path = tmp_path / "answers.json"
+    calls: list[int] = []
+
+    def measure() -> float:
+        calls.append(1)
+        return 22.9
+
+    key = "perplexity|passages=40|model=m-0123"
+    assert bq.AnswerStore(path).measured(key, measure) == 22.9
+    assert bq.AnswerStore(path).measured(key, measure) == 22.9 and calls == [1]
