@@ -230,25 +230,30 @@ class AnswerStore:
         """The entry name of one span-hit TTFT measurement."""
         return f"ttft|{variant}|pool={pool}|docs={k}|reps={reps}|model={model}"
 
+    @staticmethod
+    def perplexity_key(passages: int, model: str) -> str:
+        """The entry name of one model's held-out perplexity (``model``: its directory's
+        name, checksum included)."""
+        return f"perplexity|passages={passages}|model={model}"
+
     def timed(self, key: str, measure: Callable[[], tuple[float, int]]) -> tuple[float, int]:
         """The stored (TTFT, engine steps) of ``key``, or ``measure()``'s, then stored."""
-        entry = self.entries.get(key)
-        if entry is not None:
-            return float(entry["ttft_s"]), int(entry["steps"])
-        ttft, steps = measure()
-        self._save(key, {"ttft_s": ttft, "steps": steps})
-        return ttft, steps
+        entry = self._stored_or_measured(
+            key, lambda: dict(zip(("ttft_s", "steps"), measure(), strict=True)))
+        return float(entry["ttft_s"]), int(entry["steps"])
 
     def measured(self, key: str, measure: Callable[[], float]) -> float:
         """The stored value of ``key`` (a measurement of one model, such as its held-out
-        perplexity: the key names the model's directory, checksum included), or
-        ``measure()``'s, then stored."""
+        perplexity), or ``measure()``'s, then stored."""
+        return float(self._stored_or_measured(key, lambda: {"value": measure()})["value"])
+
+    def _stored_or_measured(self, key: str, measure: Callable[[], dict[str, Any]]
+                            ) -> dict[str, Any]:
         entry = self.entries.get(key)
-        if entry is not None:
-            return float(entry["value"])
-        value = measure()
-        self._save(key, {"value": value})
-        return value
+        if entry is None:
+            entry = measure()
+            self._save(key, entry)
+        return entry
 
     def _save(self, key: str, entry: dict[str, Any]) -> None:
         self.entries[key] = entry
@@ -470,7 +475,7 @@ def run_quality(args: Any) -> int:
         from span_workflows.apps.perplexity import heldout_passages, perplexity
 
         value = store.measured(
-            f"perplexity|passages={args.perplexity}|model={Path(str(engine_dir)).name}",
+            store.perplexity_key(args.perplexity, Path(str(engine_dir)).name),
             lambda: perplexity(engine_dir, heldout_passages(args.perplexity)))
         for row in rows:
             row["perplexity"] = value

@@ -233,8 +233,7 @@ def test_a_span_hit_ttft_is_measured_once_per_pool_and_kept(tmp_path: Path) -> N
     assert bq.AnswerStore(path).timed(other, measure) == (0.25, 1) and len(calls) == 2
 
 
-def test_rows_of_an_earlier_run_merge_and_print_with_their_extra_columns(tmp_path: Path
-                                                                          ) -> None:
+def test_rows_of_an_earlier_run_merge_and_print_with_their_extra_columns() -> None:
     """An earlier run measured the model's perplexity, this one did not: merging keeps the
     earlier rows this run did not redo, replaces the ones it did, and the table prints every
     column (a dash where a row lacks one) instead of failing on the first row's keys."""
@@ -263,6 +262,6 @@ def test_a_models_perplexity_is_measured_once_and_kept(tmp_path: Path) -> None:
         calls.append(1)
         return 22.9
 
-    key = "perplexity|passages=40|model=m-0123"
+    key = bq.AnswerStore.perplexity_key(40, "m-0123")
     assert bq.AnswerStore(path).measured(key, measure) == 22.9
     assert bq.AnswerStore(path).measured(key, measure) == 22.9 and calls == [1]
