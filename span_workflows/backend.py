@@ -8,7 +8,10 @@ Contract, for every method: ``query`` is a span-query tree (``SpanServer`` also 
 value or text); ``optimize_query=False`` runs the tree as given (it must then be in the
 optimizer's normal form); ``span_options`` (a :class:`~span_workflows.layout.SpanOptions` or a
 preset name, ``"prefix"`` or ``"self"``) override the backend's for this call; ``cache_salt``
-keeps the query's cached KV, spans included, apart from every other salt's. An invalid query
+keeps the query's cached KV, spans included, apart from every other salt's; ``weights`` names
+the weights to run on (the base model's name or a LoRA adapter's; ``None``: the backend routes
+the query, :mod:`span_workflows.routing`, and ``Result.metrics.weights`` says which answered).
+An invalid query
 raises :class:`~span_workflows.errors.SpanQueryError`, except in ``execute_bulk``, where
 it is that query's answer and the others run. ``stream``/``astream`` yield the
 answer's text as it is generated, in deltas that concatenate to the result's ``text``; the
@@ -33,19 +36,22 @@ class QueryBackend(Protocol):
 
     def execute(self, query: Node, *, optimize_query: bool = True,
                 span_options: SpanOptions | str | None = None,
-                cache_salt: str | None = None) -> Result:
+                cache_salt: str | None = None,
+                weights: str | None = None) -> Result:
         """Run one query; its result."""
         ...
 
     async def aexecute(self, query: Node, *, optimize_query: bool = True,
                        span_options: SpanOptions | str | None = None,
-                       cache_salt: str | None = None) -> Result:
+                       cache_salt: str | None = None,
+                       weights: str | None = None) -> Result:
         """Async :meth:`execute`."""
         ...
 
     def execute_many(self, queries: Sequence[Node], *, optimize_query: bool = True,
                      span_options: SpanOptions | str | None = None,
-                     cache_salt: str | None = None) -> list[Result]:
+                     cache_salt: str | None = None,
+                     weights: str | None = None) -> list[Result]:
         """Run several queries concurrently; their results, in order."""
         ...
 
@@ -60,13 +66,15 @@ class QueryBackend(Protocol):
 
     def stream(self, query: Node, *, optimize_query: bool = True,
                span_options: SpanOptions | str | None = None,
-               cache_salt: str | None = None) -> TextStream:
+               cache_salt: str | None = None,
+               weights: str | None = None) -> TextStream:
         """Run one query; its text as it is generated, then its ``result``."""
         ...
 
     def astream(self, query: Node, *, optimize_query: bool = True,
                 span_options: SpanOptions | str | None = None,
-                cache_salt: str | None = None) -> AsyncTextStream:
+                cache_salt: str | None = None,
+                weights: str | None = None) -> AsyncTextStream:
         """Async :meth:`stream`."""
         ...
 

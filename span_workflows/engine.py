@@ -24,7 +24,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,8 @@ from span_workflows.layout import LayoutTokens, SpanOptions
 from span_workflows.model import (
     BUNDLED_MODELS,
     DEFAULT_MODEL_NAME,
+    bundled_adapters,
+    is_base,
     resolve_model,
     span_defaults,
 )
@@ -61,6 +63,7 @@ from span_workflows.plan import (
 )
 from span_workflows.render import ChatRenderer
 from span_workflows.result import BulkAnswer, Metrics, Result
+from span_workflows.routing import Adapter, Route, WeightsRouter, lora_options, on_weights
 from span_workflows.serving.wire import QueryBody
 from span_workflows.streaming import AsyncTextStream, PartStream, TextStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
@@ -83,6 +86,13 @@ class Engine:
     span-ready model records for itself, :func:`~span_workflows.model.span_defaults`, else
     :class:`SpanOptions`'s defaults); every ``execute`` call may override it.
     ``load_progress=False`` hides vLLM's weight-loading bar.
+    ``adapters`` (``{name: directory}``) are LoRA adapters served beside the model in the same
+    engine (vLLM's LoRA); by default the bundled base serves the span-ready adapter
+    (:func:`~span_workflows.model.bundled_adapters`), any other model none (``{}``: none).
+    ``routing`` (default on) sends span queries to the span-ready adapter and everything else
+    to the base (:mod:`span_workflows.routing`); a query may name its weights (``weights=``,
+    or a G's ``model``) whatever ``routing`` says. ``Result.metrics.weights`` says which
+    answered.
     ``kv_cache_blocks`` caps the KV cache at that many blocks (vLLM's
     ``num_gpu_blocks_override``: a small cache for tests and benchmarks; the context is then
     capped to what the cache holds unless ``max_model_len`` says otherwise); ``cache_tokens``
@@ -106,6 +116,8 @@ class Engine:
         load_progress: bool = True,
         kv_cache_blocks: int | None = None,
         align: str | None = None,
+        adapters: Mapping[str, str | Path] | None = None,
+        routing: bool = True,
     ) -> None:
         self.locality_fanin = locality_fanin
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
@@ -113,7 +125,14 @@ class Engine:
         self.span_options = engine_options(
             span_options, align=align, crop=crop,
             default=SpanOptions.coerce(span_defaults(self.model_dir) or None))
+        self._own_options = span_options is not None
         self.model_name = DEFAULT_MODEL_NAME if model is None else str(model)
+        if adapters is None:
+            adapters = bundled_adapters() if is_base(model) else {}
+        #: which weights answer each query: the base, or one of ``adapters``
+        self.router = WeightsRouter(self.model_name, {
+            name: Adapter.load(name, path) for name, path in dict(adapters).items()},
+            enabled=routing)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -143,8 +162,12 @@ class Engine:
             num_gpu_blocks_override=kv_cache_blocks,
             # The plugin's block alignment of nested outputs (align="pad"/"bias").
             logits_processors=list(contract.LOGITS_PROCESSORS),
+            **lora_options(self.router.adapters.values()),
         )
         self._engine = self._llm.llm_engine
+        self._loras = {name: a.lora_request() for name, a in self.router.adapters.items()}
+        for lora in self._loras.values():  # loaded now, not on the first request
+            self._engine.add_lora(lora)
         self.max_model_len = self._engine.model_config.max_model_len
         blocks = self._engine.vllm_config.cache_config.num_gpu_blocks or kv_cache_blocks or 0
         #: the KV cache's size in tokens (blocks the engine allocated x block size)
@@ -163,22 +186,25 @@ class Engine:
     def execute(self, query: Node, *, optimize_query: bool = True,
                 logprobs: int | None = None,
                 span_options: SpanOptions | str | None = None,
-                cache_salt: str | None = None) -> Result:
+                cache_salt: str | None = None, weights: str | None = None) -> Result:
         """Run one span query; see :meth:`execute_many`."""
         return self.execute_many([query], optimize_query=optimize_query, logprobs=logprobs,
-                                 span_options=span_options, cache_salt=cache_salt)[0]
+                                 span_options=span_options, cache_salt=cache_salt,
+                                 weights=weights)[0]
 
     async def aexecute(self, query: Node, *, optimize_query: bool = True,
                        span_options: SpanOptions | str | None = None,
-                       cache_salt: str | None = None) -> Result:
+                       cache_salt: str | None = None, weights: str | None = None) -> Result:
         """Async :meth:`execute`: the engine runs in a worker thread."""
         return await asyncio.to_thread(self.execute, query, optimize_query=optimize_query,
-                                       span_options=span_options, cache_salt=cache_salt)
+                                       span_options=span_options, cache_salt=cache_salt,
+                                       weights=weights)
 
     def execute_many(self, queries: Sequence[Node], *, optimize_query: bool = True,
                      span_mode: bool = True, logprobs: int | None = None,
                      span_options: SpanOptions | str | None = None,
-                     cache_salt: str | None = None) -> list[Result]:
+                     cache_salt: str | None = None,
+                     weights: str | None = None) -> list[Result]:
         """Run several queries concurrently (their requests share engine steps).
 
         ``span_mode=False`` is the stock baseline: the same queries as plain chat prompts (plus
@@ -186,10 +212,12 @@ class Engine:
         ``span_options`` overrides the engine's :class:`SpanOptions` for these queries.
         ``cache_salt`` (vLLM's per-tenant salt) keeps these queries' cached KV, spans included,
         apart from every other salt's. ``logprobs=k`` records the top-k log-probabilities of
-        each answer's first token (``Result.first_logprobs``).
+        each answer's first token (``Result.first_logprobs``). ``weights`` names the weights
+        to run on (the base model's name or an adapter's); ``None``: the router chooses
+        (:mod:`span_workflows.routing`).
         """
         return self._execute(queries, optimize_query, span_mode,
-                             self._settings(span_options, cache_salt, logprobs))
+                             self._settings(span_options, cache_salt, logprobs, weights))
 
     def execute_bulk(self, queries: Sequence[bulk.Query], *, schedule: str = "cluster",
                      max_in_flight: int = bulk.DEFAULT_MAX_IN_FLIGHT,
@@ -228,18 +256,18 @@ class Engine:
 
     def stream(self, query: Node, *, optimize_query: bool = True,
                span_options: SpanOptions | str | None = None,
-               cache_salt: str | None = None) -> TextStream:
+               cache_salt: str | None = None, weights: str | None = None) -> TextStream:
         """Run one span query; its text token by token as the engine generates it (the
         deltas concatenate to ``text``), then the stream's ``result``. Closing the stream
         early aborts the query."""
-        settings = self._settings(span_options, cache_salt)
+        settings = self._settings(span_options, cache_salt, weights=weights)
         return TextStream(self._stream_items(query, optimize_query, settings))
 
     def astream(self, query: Node, *, optimize_query: bool = True,
                 span_options: SpanOptions | str | None = None,
-                cache_salt: str | None = None) -> AsyncTextStream:
+                cache_salt: str | None = None, weights: str | None = None) -> AsyncTextStream:
         """Async :meth:`stream`: the engine runs in a worker thread."""
-        settings = self._settings(span_options, cache_salt)
+        settings = self._settings(span_options, cache_salt, weights=weights)
         return AsyncTextStream(self._astream_items(query, optimize_query, settings))
 
     # -- baselines and inspection ----------------------------------------------------------------
@@ -311,9 +339,28 @@ class Engine:
 
     # -- the engine loop ------------------------------------------------------------------------
     def _settings(self, span_options: SpanOptions | str | None, cache_salt: str | None,
-                  logprobs: int | None = None) -> QuerySettings:
+                  logprobs: int | None = None, weights: str | None = None) -> QuerySettings:
+        if weights is not None:
+            self.router.named(_weights_name(weights))
         return QuerySettings(SpanOptions.coerce(span_options, self.span_options),
-                             _salt(cache_salt), logprobs)
+                             _salt(cache_salt), logprobs, weights,
+                             own_options=span_options is not None or self._own_options)
+
+    def _plan(self, query: Node, optimize_query: bool, span_mode: bool,
+              settings: QuerySettings) -> Any:
+        """The plan of one query on the weights the router chooses for it."""
+        node = self.planner.normalize(query, optimize_query, span_mode)
+        route = self.router.choose(node, span_mode, settings.weights)
+        if not settings.own_options:
+            settings = dataclasses.replace(
+                settings, options=self.router.options(route, settings.options))
+        return on_weights(self.planner.plan_query(node, span_mode, settings), route)
+
+    def weights_of(self, query: Node, *, span_mode: bool = True,
+                   weights: str | None = None) -> Route:
+        """The weights ``query`` would run on (see :mod:`span_workflows.routing`)."""
+        return self.router.choose(self.planner.normalize(query, True, span_mode), span_mode,
+                                  weights)
 
     def _execute(self, queries: Sequence[Node], optimize_query: bool, span_mode: bool,
                  settings: QuerySettings, stream: PartStream | None = None,
@@ -321,11 +368,7 @@ class Engine:
         """Plan and run ``queries`` together; with ``stream``, the final generations' text is
         streamed; ``cancel`` aborts every request in flight when it is set."""
         with self._lock:
-            plans = [
-                self.planner.plan_query(self.planner.normalize(q, optimize_query, span_mode),
-                                        span_mode, settings)
-                for q in queries
-            ]
+            plans = [self._plan(q, optimize_query, span_mode, settings) for q in queries]
             run = functools.partial(self._run, stream=stream, cancel=cancel)
             return drive(plans, run, self._probe, self._steps)
 
@@ -337,9 +380,8 @@ class Engine:
             plans, at = [], []
             for i, q in enumerate(queries):
                 try:
-                    settings = self._settings(q.span_options, q.cache_salt)
-                    node = self.planner.normalize(q.node, q.optimize, True)
-                    plans.append(guarded(self.planner.plan_query(node, True, settings)))
+                    settings = self._settings(q.span_options, q.cache_salt, weights=q.weights)
+                    plans.append(guarded(self._plan(q.node, q.optimize, True, settings)))
                     at.append(i)
                 except SpanQueryError as exc:
                     outcomes[i] = exc
@@ -354,8 +396,15 @@ class Engine:
     def _probe(self, step: Probe) -> list[bool]:
         """Which prompts have all their blocks in the prefix cache now."""
         core = self._engine.engine_core.engine_core
-        return [span_vllm.span_probe(core, [(list(p.token_ids), list(p.segments))], salt)[0]
-                for p, salt in zip(step.sequences, step.salts, strict=True)]
+        return [span_vllm.span_probe(core, [(list(p.token_ids), list(p.segments))], salt,
+                                     self._lora_key(weights))[0]
+                for p, salt, weights in zip(step.sequences, step.salts, step.weights,
+                                            strict=True)]
+
+    def _lora_key(self, weights: str | None) -> list[Any] | None:
+        """What the plugin's probe hashes an adapter's blocks by: ``[id, path]``."""
+        lora = self._loras.get(weights) if weights is not None else None
+        return None if lora is None else [lora.lora_int_id, lora.lora_path]
 
     def _steps(self, step: StepCount) -> list[Steps]:
         """The engine steps the tagged requests waited for (the engine core is here)."""
@@ -369,7 +418,9 @@ class Engine:
         for req in requests:
             rid = f"span-{next(self._ids)}"
             self._engine.add_request(rid, tokens_prompt(req),
-                                     sampling_params(req, self._layout_key))
+                                     sampling_params(req, self._layout_key),
+                                     lora_request=(self._loras[req.weights]
+                                                   if req.weights is not None else None))
             runs[rid] = RequestRun(req, submitted, stream)
         ended: dict[str, float] = {}
         try:
@@ -498,6 +549,12 @@ def _prepare_environment(kv_cache_gib: int) -> str:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     return contract.enable(kv_cache_gib=kv_cache_gib)
+
+
+def _weights_name(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise SpanQueryError("weights", f"must be a non-empty string, not {value!r}")
+    return value
 
 
 def available_models() -> Iterable[str]:

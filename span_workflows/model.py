@@ -6,12 +6,14 @@ never imported). It is converted once into a safetensors model directory (weight
 chat template) under ``$SPAN_WORKFLOWS_CACHE`` (default ``~/.cache/span-workflows``), keyed by
 the GGUF's checksum, and verified against a manifest of checksums each time it is reused.
 
-The *span-ready* variant, ``smollm2-135m-instruct-span``, is the base with the LoRA adapter this
-package ships (``span_workflows/adapters/<name>/``, trained by ``span-workflows tune``) merged
-into its weights (:func:`merge_adapter`, which needs ``peft``): a plain checkpoint in the same
-cache, keyed by the adapter's checksum and verified the same way. It answers RAG questions better
-than the base in span mode and in stock mode alike, but no longer calls tools (README
-"Quality"), so the base stays the default and the span-ready model is one name away.
+The *span-ready* adapter, ``smollm2-135m-instruct-span``, is a LoRA adapter this package ships
+(``span_workflows/adapters/<name>/``, trained by ``span-workflows tune``). An engine on the base
+serves it beside the base by default (:func:`bundled_adapters`, vLLM's LoRA) and routes span
+queries to it (:mod:`span_workflows.routing`): it answers RAG questions better than the base in
+span mode, but no longer calls tools, which stay on the base. The same name as a *model* is the
+base with the adapter merged into its weights (:func:`merge_adapter`, which needs ``peft``): a
+plain checkpoint in the same cache, keyed by the adapter's checksum and verified the same way,
+for users who want the span-ready weights alone.
 """
 
 from __future__ import annotations
@@ -115,6 +117,18 @@ def span_model_dir(*, progress: bool = True) -> Path:
                   {"adapter_sha256": digest})
     _verified.add(target)
     return target
+
+
+def bundled_adapters() -> dict[str, Path]:
+    """The LoRA adapters an engine on the bundled base serves beside it unless told
+    otherwise: the span-ready adapter, by name (empty if its files are missing)."""
+    adapter = ADAPTERS_DIR / SPAN_MODEL_NAME
+    return {SPAN_MODEL_NAME: adapter} if (adapter / "adapter_config.json").is_file() else {}
+
+
+def is_base(name_or_path: str | Path | None) -> bool:
+    """Whether ``name_or_path`` names the bundled base (``None`` does)."""
+    return name_or_path is None or str(name_or_path).lower() == BASE_MODEL_NAME
 
 
 def span_defaults(model_dir: Path) -> dict[str, Any]:

@@ -104,6 +104,8 @@ class Request:
     tag: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: fill the last KV block after the text (a nested G read with ``align="pad"``/``"bias"``)
     fill: Fill | None = None
+    #: the LoRA adapter (by name) the request runs on; ``None``: the base weights
+    weights: str | None = None
 
     @classmethod
     def prepare(cls, prompt: SpanPrompt, cache_salt: str | None = None) -> Request:
@@ -141,10 +143,14 @@ class Probe:
     sequences: list[SpanPrompt]
     #: the ``cache_salt`` each sequence is hashed with (``None``: unsalted)
     salts: list[str | None] = field(default_factory=list)
+    #: the LoRA adapter each sequence is hashed under (``None``: the base weights)
+    weights: list[str | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.salts:
             self.salts = [None] * len(self.sequences)
+        if not self.weights:
+            self.weights = [None] * len(self.sequences)
 
 
 @dataclass
@@ -192,6 +198,10 @@ class QuerySettings:
     options: SpanOptions = field(default_factory=SpanOptions)
     cache_salt: str | None = None
     logprobs: int | None = None
+    #: the weights asked for by name (:mod:`span_workflows.routing`; ``None``: routed)
+    weights: str | None = None
+    #: whether the caller set ``options`` (else the routed weights' own options apply)
+    own_options: bool = False
 
 
 Step = list[Request] | Probe | StepCount
@@ -520,7 +530,8 @@ def _merge(pending: dict[int, Step]) -> tuple[Step, list[tuple[int, int]]]:
     if probes:
         order = [(i, len(s.sequences)) for i, s in probes.items()]
         return Probe([q for s in probes.values() for q in s.sequences],
-                     [salt for s in probes.values() for salt in s.salts]), order
+                     [salt for s in probes.values() for salt in s.salts],
+                     [w for s in probes.values() for w in s.weights]), order
     counts = {i: s for i, s in pending.items() if isinstance(s, StepCount)}
     if counts:
         return (StepCount([t for s in counts.values() for t in s.tags]),
@@ -590,7 +601,7 @@ def prepare_key(req: Request) -> tuple | None:
     if (req.max_tokens != 1 or req.temperature != 0.0 or req.n != 1 or req.part is not None
             or req.logprobs is not None or req.min_cached or req.sampling != Sampling()):
         return None
-    return (tuple(req.prompt), tuple(req.segments), req.cache_salt)
+    return (tuple(req.prompt), tuple(req.segments), req.cache_salt, req.weights)
 
 
 def _reused(out: Output) -> Output:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 from span_workflows.compile import TokenizedQuery
@@ -48,6 +48,9 @@ class Metrics:
     #: of ``nested_tokens``, those this G's own requests computed again instead of reading the
     #: KV computed while the nested G's ran (the last block of each, ``align="recompute"``)
     nested_computed_tokens: int = 0
+    #: the weights that answered: the base model's name or a LoRA adapter's
+    #: (:mod:`span_workflows.routing`); empty where unknown
+    weights: str = ""
 
     @property
     def nested_cached_share(self) -> float:
@@ -64,7 +67,7 @@ class Metrics:
         started: ``cached_tokens`` less what the query's prepare requests computed."""
         return max(0, self.cached_tokens - self.prepared_tokens)
 
-    def to_dict(self) -> dict[str, float | int]:
+    def to_dict(self) -> dict[str, float | int | str]:
         """Every metric under its field name, JSON-ready (the CLI's and the wire's form)."""
         return asdict(self)
 
@@ -76,11 +79,12 @@ class Metrics:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Metrics:
-        """The inverse of :meth:`to_dict`; a missing metric is 0."""
-        return cls(**{f.name: _NUMBER[str(f.type)](data.get(f.name, 0)) for f in fields(cls)})
+        """The inverse of :meth:`to_dict`; a missing metric is 0 (``weights``: empty)."""
+        return cls(**{f.name: _NUMBER[str(f.type)](
+            data.get(f.name, 0 if f.default is MISSING else f.default)) for f in fields(cls)})
 
 
-_NUMBER: dict[str, type] = {"float": float, "int": int}
+_NUMBER: dict[str, type] = {"float": float, "int": int, "str": str}
 
 
 @dataclass

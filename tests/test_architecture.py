@@ -40,7 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "tune.tool_data", "tune.train"),
     "boundary": ("vllm_io", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
-    "plan": ("plan", "result", "fragments"),
+    "plan": ("plan", "result", "fragments", "routing"),
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
                             "optimize", "locality", "compile", "render", "layout",
                             "tool_prompt", "lint", "lint_rules"),

@@ -10,8 +10,9 @@ Public API (everything else is private to the plugin):
 * :func:`register` — the entry point;
 * :mod:`span_vllm.contract` — what the planner and the plugin agree on: environment names and
   defaults, the layout key, segment kinds, utility-call names, counter names (no vLLM import);
-* :func:`span_probe` ``(engine_core, prompts, salt=None)`` — in the engine-core process,
-  which prompts have all their blocks in the prefix cache;
+* :func:`span_probe` ``(engine_core, prompts, salt=None, lora=None)`` — in the engine-core
+  process, which prompts have all their blocks in the prefix cache (under the LoRA adapter
+  ``[lora_int_id, lora_path]``, or the base);
 * :func:`span_stats` ``()`` — this process's span-cache counters;
 * :func:`span_steps` ``(tags)`` — engine steps of the requests with these step tags
   (:data:`contract.TAG_KEY`): ``[to_first_token, to_end]`` each;

@@ -53,9 +53,11 @@ module and nothing else of the plugin's internals.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from collections.abc import Mapping, MutableMapping, Sequence
+from pathlib import Path
 
 #: ``SPAN_VLLM=1`` turns the plugin on in a process.
 ENABLE_ENV = "SPAN_VLLM"
@@ -182,3 +184,20 @@ __all__ = [
     "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "align_args", "enable", "enabled",
     "layout_args", "layout_key", "tag_args",
 ]
+
+
+def adapter_digest(lora_path: str | Path) -> str:
+    """SHA-256 over the ``adapter_*`` files of the LoRA adapter directory ``lora_path`` (names
+    and contents, in name order; the path itself if it holds none): what the plugin keys the
+    KV blocks computed under that adapter by, and what the planner names its weights by."""
+    digest = hashlib.sha256()
+    root = Path(lora_path).expanduser()
+    files = sorted(p for p in root.glob("adapter_*") if p.is_file()) if root.is_dir() else []
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    if not files:
+        digest.update(str(root).encode())
+    return digest.hexdigest()

@@ -27,6 +27,7 @@ with the request, not recomputed from block 0.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 from vllm.v1.core import kv_cache_utils
 
 from span_vllm.contract import ANCHORED, ISOLATED, LAYOUT_KEY, ORDERED, SEGMENT_KINDS
+from span_vllm.contract import adapter_digest as contract_adapter_digest
 
 _ROOT_SEED = "span-workflows/root"
 _ORDERED_SEED = "span-workflows/ordered"
@@ -269,7 +271,6 @@ def routing_block_keys(
     tokens and its anchor, not its position among its siblings), hashed with SHA-256 of the
     pickled block (the engine's own hash function may differ, so these keys name blocks
     consistently across queries but are not the engine's block hashes)."""
-    import hashlib
     import pickle
 
     def sha256_pickle(obj: Any) -> bytes:
@@ -302,11 +303,8 @@ def make_request_block_hasher(
             except AttributeError:  # pragma: no cover - a slotted request type
                 pass
 
-        def extra_keys(begin: int, end: int) -> Any:
-            keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, begin, end, 0)
-            return keys
-
-        return chain.extend(request.all_token_ids, hash_block_size, extra_keys)
+        return chain.extend(request.all_token_ids, hash_block_size,
+                            lambda begin, end: request_extra_keys(request, begin, end))
 
     return request_block_hasher
 
@@ -319,13 +317,46 @@ def _replay(request: Any, block_size: int, hash_fn: Callable[[Any], bytes],
     chain = SpanChain(hash_fn, layout, getattr(request, "cache_salt", None))
     done = len(request.block_hashes)
     if done:
-        def extra_keys(begin: int, end: int) -> Any:
-            keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, begin, end, 0)
-            return keys
-
-        chain.extend(list(request.all_token_ids)[: done * block_size], block_size, extra_keys)
+        chain.extend(list(request.all_token_ids)[: done * block_size], block_size,
+                     lambda begin, end: request_extra_keys(request, begin, end))
     return chain
 
 
+def request_extra_keys(request: Any, begin: int, end: int) -> Any:
+    """vLLM's extra keys of the block ``begin:end`` of ``request``, with its LoRA named by the
+    adapter's *content* (:func:`adapter_digest`) instead of vLLM's ``(name, path)``: a span
+    computed under one adapter is never served to another, to the base, or to an adapter
+    retrained at the same path and loaded anew."""
+    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(request, begin, end, 0)
+    lora = getattr(request, "lora_request", None)
+    if not keys or lora is None:
+        return keys
+    own = weights_key(lora.lora_int_id, lora.lora_path)
+    return tuple(own if isinstance(k, tuple) and k[:1] == ("lora",) else k for k in keys)
+
+
+def weights_key(lora_int_id: int, lora_path: str) -> tuple[str, str]:
+    """The extra hash key of every block computed under the LoRA adapter ``lora_int_id``
+    loaded from ``lora_path``: ``("lora", <sha256 of its adapter files>)``, as they were when
+    the engine core loaded it (:func:`note_adapter`), or when first seen."""
+    key = (int(lora_int_id), str(lora_path))
+    digest = _LOADED.get(key)
+    if digest is None:
+        digest = _LOADED[key] = contract_adapter_digest(lora_path)
+    return ("lora", digest)
+
+
+def note_adapter(lora_int_id: int, lora_path: str) -> None:
+    """The engine core loads (or reloads in place) the adapter ``lora_int_id`` from
+    ``lora_path``: take its digest now, so blocks computed under the weights now loaded are
+    keyed by exactly those weights (blocks of earlier weights at the same path stop hitting)."""
+    _LOADED[(int(lora_int_id), str(lora_path))] = contract_adapter_digest(lora_path)
+
+
+#: (lora_int_id, lora_path) -> digest of the adapter files the engine core loaded
+_LOADED: dict[tuple[int, str], str] = {}
+
+
 __all__ = ["BlockLayout", "SpanChain", "hash_blocks", "make_request_block_hasher",
-           "parse_layout", "request_layout", "routing_block_keys"]
+           "note_adapter", "parse_layout", "request_extra_keys", "request_layout",
+           "routing_block_keys", "weights_key"]

@@ -15,7 +15,11 @@ Each patch wraps one vLLM function by name (no fork):
   (:mod:`rotation`); both runners' ``initialize_kv_cache`` → check the model can be rotated;
 * ``Scheduler.__init__`` / ``KVCacheManager.__init__`` → refuse unsupported models at start
   (:mod:`support`);
-* ``EngineCore`` gains the utility calls ``span_probe``, ``span_stats`` and ``span_steps``.
+* ``EngineCore`` gains the utility calls ``span_probe``, ``span_stats`` and ``span_steps``;
+* ``vllm.lora.punica_wrapper.punica_cpu``'s LoRA ops → grouped matmuls (:mod:`lora_cpu`).
+
+Blocks computed under a LoRA adapter are keyed by the adapter's content
+(:func:`hashing.request_extra_keys`), not by vLLM's ``(name, path)``.
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from span_vllm import config as span_config
 from span_vllm.contract import PROBE_CALL, STATS_CALL, STEPS_CALL
-from span_vllm.hashing import hash_blocks, make_request_block_hasher, request_layout
+from span_vllm.hashing import (
+    hash_blocks,
+    make_request_block_hasher,
+    note_adapter,
+    request_layout,
+    weights_key,
+)
 from span_vllm.positions import PositionTracker
 from span_vllm.stats import STATS
 from span_vllm.steps import CLOCK
@@ -60,6 +70,7 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states",
      ("self", "scheduler_output")),
     ("vllm.v1.engine.core", "EngineCore.add_request", ("self", "request")),
+    ("vllm.v1.engine.core", "EngineCore.add_lora", ("self", "lora_request")),
 )
 SUPPORTED_VLLM = "0.32.0"
 
@@ -113,7 +124,16 @@ def apply() -> None:
         _patch_start_checks()
         _patch_worker()
         _patch_engine_core()
+        _patch_lora()
         _applied = True
+
+
+def _patch_lora() -> None:
+    """Grouped LoRA ops for the CPU punica wrapper (:mod:`span_vllm.lora_cpu`): faster, and
+    "no adapter" tokens stay on the base weights in a batch that mixes both."""
+    from span_vllm import lora_cpu
+
+    lora_cpu.install()
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
@@ -362,9 +382,11 @@ def _v2_targets() -> list[tuple[Any, str]]:
     return [(RunnerV2, name) for name in expected]
 
 
-def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list[bool]:
-    """For each prompt (``[token_ids, segments]``, hashed as a request with that layout and
-    ``cache_salt``), whether all its full blocks are in the prefix cache right now.
+def probe(engine_core: Any, prompts: list[Any], salt: str | None = None,
+          lora: Sequence[Any] | None = None) -> list[bool]:
+    """For each prompt (``[token_ids, segments]``, hashed as a request with that layout,
+    ``cache_salt`` and LoRA adapter ``lora`` = ``[lora_int_id, lora_path]``, ``None`` for the
+    base weights), whether all its full blocks are in the prefix cache right now.
 
     Public as ``span_vllm.span_probe``; ``engine_core`` is vLLM's ``EngineCore`` in this
     process. Other processes ask the engine core with the ``span_probe`` utility call, which
@@ -373,10 +395,11 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None) -> list
     if hash_fn is None:
         return [False] * len(prompts)
     pool = engine_core.scheduler.kv_cache_manager.block_pool
+    keys = _extra_keys(salt, None if not lora else weights_key(int(lora[0]), str(lora[1])))
     answers = []
     for tokens, segments in prompts:
         hashes = hash_blocks(tokens, _hashing["block_size"], hash_fn, segments, salt=salt,
-                             extra_keys=_salt_keys(salt))
+                             extra_keys=keys)
         answers.append(bool(hashes) and all(pool.get_cached_block(h, [0]) for h in hashes))
     return answers
 
@@ -389,11 +412,19 @@ def span_stats() -> dict[str, int]:
     return STATS.snapshot()
 
 
-def _salt_keys(salt: str | None) -> Callable[[int, int], Any] | None:
-    """vLLM's extra keys of a salted request: the salt, on block 0 only."""
-    if not salt:
+def _extra_keys(salt: str | None,
+                weights: tuple[str, str] | None) -> Callable[[int, int], Any] | None:
+    """The extra keys a request with this salt and LoRA gets (as vLLM orders them): the
+    adapter's key on every block, then the salt on block 0 only."""
+    if not salt and weights is None:
         return None
-    return lambda begin, end: (("cache_salt", salt),) if begin == 0 else None
+
+    def keys(begin: int, end: int) -> Any:
+        found = ([weights] if weights is not None else []) + (
+            [("cache_salt", salt)] if salt and begin == 0 else [])
+        return tuple(found) or None
+
+    return keys
 
 
 def span_steps(tags: list[str]) -> list[list[int] | None]:
@@ -416,8 +447,18 @@ def _patch_engine_core() -> None:
         return add_request
 
     _wrap(EngineCore, "add_request", make_add)
+
+    def make_add_lora(original: Callable) -> Callable:
+        def add_lora(self: Any, lora_request: Any, *args: Any, **kwargs: Any) -> Any:
+            loaded = original(self, lora_request, *args, **kwargs)
+            note_adapter(lora_request.lora_int_id, lora_request.lora_path)
+            return loaded
+
+        return add_lora
+
+    _wrap(EngineCore, "add_lora", make_add_lora)
     if not hasattr(EngineCore, PROBE_CALL):
         setattr(EngineCore, PROBE_CALL,
-                lambda self, prompts, salt=None: probe(self, prompts, salt))
+                lambda self, prompts, salt=None, lora=None: probe(self, prompts, salt, lora))
         setattr(EngineCore, STATS_CALL, lambda self: span_stats())
         setattr(EngineCore, STEPS_CALL, lambda self, tags: span_steps(list(tags)))

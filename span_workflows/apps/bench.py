@@ -27,6 +27,8 @@ meaningful on a shared, noisy machine even when absolute times are not.
   with first-token KL and span-hit TTFT (:mod:`span_workflows.apps.bench_quality`).
 * ``bulk`` — a bulk of RAG queries in arrival order, shuffled and clustered by shared spans,
   on one engine and on Ray actors (:mod:`span_workflows.apps.bench_bulk`).
+* ``lora`` — prefill TTFT and decode throughput of the base and of the span-ready adapter,
+  as LoRA beside the base and merged (:mod:`span_workflows.apps.bench_lora`).
 """
 
 from __future__ import annotations
@@ -229,6 +231,10 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         from span_workflows.apps.bench_lint import run_lint_bench
 
         return run_lint_bench(args)
+    if name == "lora":
+        from span_workflows.apps.bench_lora import run_lora
+
+        return run_lora(args)
     args.docs = args.docs or [1, 2, 4, 8, 16]
     if name == "locality":
         from span_workflows.apps.bench_locality import run_locality

@@ -7,7 +7,7 @@ from pathlib import Path
 
 #: The benchmarks, by name.
 BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "needle", "quality",
-              "route", "lint", "bulk")
+              "route", "lint", "bulk", "lora")
 
 
 def _ints(text: str) -> list[int]:
@@ -29,7 +29,8 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                         help="rag, compile: numbers of documents (default: 1,2,4,8,16); "
                              "quality: documents per question (default: 4,8)")
     parser.add_argument("--doc-tokens", type=int, default=440,
-                        help="rag, compile: tokens per document (default: 440)")
+                        help="rag, compile: tokens per document; lora: a quarter of the "
+                             "prompt (default: 440)")
     parser.add_argument("--fanout", type=_ints, default=[1, 2, 4, 8, 16],
                         help="nested: numbers of drafts the judge reads (default: 1,2,4,8,16)")
     parser.add_argument("--align", type=_names, default=None,
@@ -108,7 +109,9 @@ def options_help() -> str:
             "  lint        span-workflows lint on a labelled set of commuting and ordered "
             "pluses\n"
             "  bulk        a bulk in arrival order vs random vs clustered, one engine and Ray "
-            "actors (its own options: bench bulk --help)\n\n"
+            "actors (its own options: bench bulk --help)\n"
+            "  lora        prefill and decode of the base and the span-ready adapter, as LoRA "
+            "and merged\n\n"
             "benchmark " + options)
 
 

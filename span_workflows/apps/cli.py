@@ -129,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=None,
                        help="KV block size (default: 32 on CPU, vLLM's on a GPU)")
     serve.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size on CPU")
+    serve.add_argument("--adapter", action="append", default=None, metavar="NAME=PATH",
+                       help="serve a LoRA adapter beside the model (repeatable; default: the "
+                            "span-ready adapter on the bundled base)")
+    serve.add_argument("--no-adapters", action="store_true",
+                       help="serve the model alone (no LoRA, not even the bundled adapter)")
+    serve.add_argument("--no-routing", action="store_true",
+                       help="keep span queries on the base unless they name an adapter")
     _add_replica_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -555,8 +562,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     serve(model=args.model, host=args.host, port=args.port, api_key=api_key,
           block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
-          extra_args=getattr(args, "vllm_args", []))
+          extra_args=getattr(args, "vllm_args", []), adapters=_adapters(args),
+          routing=not args.no_routing)
     return 0
+
+
+def _adapters(args: argparse.Namespace) -> dict[str, str] | None:
+    """``--adapter NAME=PATH`` options as ``{name: path}`` (``None``: the default set)."""
+    if args.no_adapters:
+        if args.adapter:
+            raise SpanQueryError("--adapter", "cannot be combined with --no-adapters")
+        return {}
+    if not args.adapter:
+        return None
+    adapters: dict[str, str] = {}
+    for item in args.adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SpanQueryError("--adapter", f"expected NAME=PATH, not {item!r}")
+        if name in adapters:
+            raise SpanQueryError("--adapter", f"adapter {name!r} given twice")
+        adapters[name] = path
+    return adapters
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -1,5 +1,8 @@
 """``span-workflows demo``: RAG over the Python stdlib docs, span queries vs stock vLLM.
 
+The span queries run on the span-ready adapter, served as LoRA beside the base; stock runs
+on the base (:mod:`span_workflows.routing`); the table says which weights answered.
+
 For each question the demo retrieves ``k`` passages from the built-in stdlib index, answers with
 a span query ``rag(SYSTEM, docs, question)`` and, for comparison, with the same query as a plain
 chat prompt (stock mode). It then asks the question again with the passages in reversed order:
@@ -49,8 +52,9 @@ def run_demo(
 
     Each row holds ``question``, ``order`` (``"retrieved"`` or ``"reversed"``), ``answer`` (span),
     ``stock_answer``, ``sources``, ``span`` and ``stock`` (metrics dicts) and the flat keys
-    ``{span,stock}_{ttft_s,prompt_tokens,cached_tokens,generated_tokens}`` and ``ttft_ratio``
-    (span TTFT / stock TTFT).
+    ``{span,stock}_{ttft_s,prompt_tokens,cached_tokens,generated_tokens}``, ``weights`` and
+    ``stock_weights`` (which weights answered: the span-ready adapter or the base) and
+    ``ttft_ratio`` (span TTFT / stock TTFT).
     """
     say = _sayer(console)
     questions = list(questions)
@@ -108,6 +112,8 @@ def _ask(engine: Any, question: str, docs: Sequence[Passage], order: str,
         row[f"{mode}_prompt_tokens"] = m.prompt_tokens
         row[f"{mode}_cached_tokens"] = m.cached_tokens
         row[f"{mode}_generated_tokens"] = m.generated_tokens
+    row["weights"] = span.metrics.weights
+    row["stock_weights"] = stock.metrics.weights
     row["ttft_ratio"] = span.metrics.ttft_s / stock.metrics.ttft_s if stock.metrics.ttft_s else 0.0
     return row
 
@@ -181,6 +187,7 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
     table.add_column("Docs")
     table.add_column("Answer (span query)", ratio=4)
     table.add_column("Sources", ratio=2)
+    table.add_column("Weights\nspan / stock", ratio=2)
     table.add_column("TTFT ms\nspan / stock", justify="right", no_wrap=True)
     table.add_column("Cached tokens\nspan / stock", justify="right", no_wrap=True)
     table.add_column("Prompt\ntokens", justify="right", no_wrap=True)
@@ -190,6 +197,7 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
             "" if r["question"] == previous else r["question"], r["order"],
             _clip(r["answer"], 180) or "(empty)",
             "\n".join(_clip(src, 36) for src in r["sources"]),
+            f"{_short_weights(r['weights'])} / {_short_weights(r['stock_weights'])}",
             f"{_ms(r['span_ttft_s'])} / {_ms(r['stock_ttft_s'])}",
             f"{r['span_cached_tokens']} / {r['stock_cached_tokens']}",
             f"{r['span_prompt_tokens']} / {r['stock_prompt_tokens']}",
@@ -198,11 +206,20 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
     return table
 
 
+def _short_weights(name: str) -> str:
+    """A weights name as the table shows it: the span-ready adapter as "adapter"."""
+    from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+
+    return {SPAN_MODEL_NAME: "adapter", BASE_MODEL_NAME: "base"}.get(name, name or "?")
+
+
 def _plain_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = ("question", "order", "TTFT ms span/stock", "cached span/stock")
+    header = ("question", "order", "TTFT ms span/stock", "cached span/stock",
+              "weights span/stock")
     body = [
         (r["question"], r["order"], f"{_ms(r['span_ttft_s'])} / {_ms(r['stock_ttft_s'])}",
-         f"{r['span_cached_tokens']} / {r['stock_cached_tokens']}")
+         f"{r['span_cached_tokens']} / {r['stock_cached_tokens']}",
+         f"{_short_weights(r['weights'])} / {_short_weights(r['stock_weights'])}")
         for r in rows
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]

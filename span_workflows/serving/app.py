@@ -25,6 +25,7 @@ Like vLLM, ``--api-key`` guards every ``/v1`` path, ``/v1/query/execute`` includ
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from argparse import Namespace
@@ -38,6 +39,7 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.layout import SpanOptions
 from span_workflows.model import span_defaults
 from span_workflows.result import BulkAnswer
+from span_workflows.routing import Adapter, WeightsRouter
 from span_workflows.serving import wire
 from span_workflows.serving.chat_route import install_chat_route
 from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
@@ -78,7 +80,7 @@ def make_router(max_body: int = wire.MAX_BODY_BYTES) -> Any:
             if not query.stream:
                 result = await service.execute(
                     query.node, optimize_query=query.optimize, span_options=query.span_options,
-                    cache_salt=query.cache_salt)
+                    cache_salt=query.cache_salt, weights=query.weights)
                 return JSONResponse(wire.result_body(result))
             return await _stream_response(service, query, StreamingResponse)
         except BodyTooLarge:
@@ -174,7 +176,7 @@ async def _stream_response(service: SpanQueryService, query: wire.QueryBody,
     stream = PartStream(run.put_delta)
     first = await run.start(lambda: service.execute(
         query.node, optimize_query=query.optimize, stream=stream,
-        span_options=query.span_options, cache_salt=query.cache_salt))
+        span_options=query.span_options, cache_salt=query.cache_salt, weights=query.weights))
     if first[0] == "error":
         raise first[1]
 
@@ -261,6 +263,9 @@ def make_parser() -> Any:
     ))
     parser.add_argument("--span-max-body", type=int, default=wire.MAX_BODY_BYTES,
                         help="largest /v1/query/execute request body, in bytes")
+    parser.add_argument("--span-routing", action=argparse.BooleanOptionalAction, default=True,
+                        help="send span queries to the span-ready LoRA adapter of "
+                             "--lora-modules and the rest to the base (default: on)")
     parser.set_defaults(host=DEFAULT_HOST, enable_prefix_caching=True)
     return parser
 
@@ -294,9 +299,16 @@ async def run(args: Namespace) -> None:
             block_size = int(engine_client.vllm_config.cache_config.block_size)
             # a span-ready model records the span options it answers best with
             defaults = span_defaults(Path(str(model_config.model)))
+            models = app.state.openai_serving_models
+            loras = models.lora_requests
+            names = [p.name for p in models.base_model_paths]
+            router = WeightsRouter(
+                names[-1],  # a bundled model's short name comes last
+                {name: Adapter.load(name, lora.lora_path) for name, lora in loras.items()},
+                enabled=args.span_routing, aliases=tuple(names[:-1]))
             service = SpanQueryService(engine_client, tokenizer, block_size,
                                        int(model_config.max_model_len), contract.layout_key(),
-                                       SpanOptions.coerce(defaults or None))
+                                       SpanOptions.coerce(defaults or None), router, loras)
             install(app, service, max_body=args.span_max_body)
             shutdown_task = await serve_http(
                 app,

@@ -97,8 +97,10 @@ async def span_chat_response(request: HttpRequest, body: bytes) -> Any:
         return _json_error(chat_wire.error_body(f"{param}: {first.get('msg')}",
                                                 param=param or None))
     models = state.openai_serving_models
+    service: SpanQueryService = state.span_service
     name = obj.get("model")
-    if name and not models.is_base_model(name):
+    adapter = name if name in service.router.adapters else None
+    if name and adapter is None and not models.is_base_model(name):
         return _json_error(chat_wire.error_body(f"The model `{name}` does not exist.",
                                                 status=404, kind="NotFoundError",
                                                 param="model"))
@@ -110,19 +112,20 @@ async def span_chat_response(request: HttpRequest, body: bytes) -> Any:
         return _json_error(chat_wire.query_error_body(exc))
     ids = {"request_id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
            "model": chat.model or models.model_name()}
-    service: SpanQueryService = state.span_service
     if not chat.stream:
         choices = ChoiceStream()
         try:
             result = await service.execute(chat.node, stream=choices,  # type: ignore[arg-type]
-                                           cache_salt=chat.cache_salt, sampling=chat.sampling)
+                                           cache_salt=chat.cache_salt, sampling=chat.sampling,
+                                           weights=adapter)
         except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
             return engine_error(exc)
+        ids["model"] = result.metrics.weights or ids["model"]  # the weights that answered
         return JSONResponse(chat_wire.completion_body(result, finish_reasons=choices.finish_reasons,
                                                       uses_tools=chat.uses_tools, **ids))
     if chat.uses_tools:
-        return await _stream_whole(service, chat, ids)
-    return await _stream(service, chat, ids)
+        return await _stream_whole(service, chat, ids, adapter)
+    return await _stream(service, chat, ids, adapter)
 
 
 def engine_error(exc: BaseException) -> Any:
@@ -139,7 +142,7 @@ def engine_error(exc: BaseException) -> Any:
 
 
 async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
-                  ids: dict[str, Any]) -> Any:
+                  ids: dict[str, Any], weights: str | None) -> Any:
     """The chunk stream of a span chat request."""
     started: set[int] = set()
 
@@ -159,18 +162,18 @@ async def _stream(service: SpanQueryService, chat: chat_wire.SpanChat,
         return last
 
     return await stream_choices(service, chat.node, delta, done, cache_salt=chat.cache_salt,
-                                sampling=chat.sampling)
+                                sampling=chat.sampling, weights=weights)
 
 
 async def _stream_whole(service: SpanQueryService, chat: chat_wire.SpanChat,
-                        ids: dict[str, Any]) -> Any:
+                        ids: dict[str, Any], weights: str | None) -> Any:
     """The chunk stream of an answer in the tool answer format: it is read back whole (its
     JSON is not the client's content), then sent as one delta, the finish and the usage."""
     from fastapi.responses import StreamingResponse
 
     try:
         result = await service.execute(chat.node, cache_salt=chat.cache_salt,
-                                       sampling=chat.sampling)
+                                       sampling=chat.sampling, weights=weights)
     except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
         return engine_error(exc)
     message = chat_wire.tool_message(result)

@@ -58,28 +58,32 @@ class SpanServer:
     # -- QueryBackend ---------------------------------------------------------------------------
     def execute(self, query: Query, *, optimize_query: bool = True,
                 span_options: SpanOptions | str | None = None,
-                cache_salt: str | None = None) -> Result:
+                cache_salt: str | None = None, weights: str | None = None) -> Result:
         """Run one query and return its result. ``span_options`` override the server's (what
         spans attend to, their layout); ``cache_salt`` keeps the query's cached KV apart from
-        every other salt's."""
+        every other salt's; ``weights`` names the base or an adapter to run on (``None``: the
+        server routes the query)."""
         body = wire.request_body(query, stream=False, optimize_query=optimize_query,
-                                 span_options=span_options, cache_salt=cache_salt)
+                                 span_options=span_options, cache_salt=cache_salt,
+                                 weights=weights)
         response = self._retrying(lambda: self._client.post(wire.EXECUTE_PATH, json=body))
         return wire.parse_result(wire.parse_answer(response.status_code, response.text, self.url))
 
     async def aexecute(self, query: Query, *, optimize_query: bool = True,
                        span_options: SpanOptions | str | None = None,
-                       cache_salt: str | None = None) -> Result:
+                       cache_salt: str | None = None, weights: str | None = None) -> Result:
         """Async :meth:`execute`."""
         body = wire.request_body(query, stream=False, optimize_query=optimize_query,
-                                 span_options=span_options, cache_salt=cache_salt)
+                                 span_options=span_options, cache_salt=cache_salt,
+                                 weights=weights)
         async with self._async_client() as client:
             response = await self._aretrying(lambda: client.post(wire.EXECUTE_PATH, json=body))
         return wire.parse_result(wire.parse_answer(response.status_code, response.text, self.url))
 
     def execute_many(self, queries: Sequence[Query], *, optimize_query: bool = True,
                      span_options: SpanOptions | str | None = None,
-                     cache_salt: str | None = None, max_concurrency: int = 16) -> list[Result]:
+                     cache_salt: str | None = None, max_concurrency: int = 16,
+                     weights: str | None = None) -> list[Result]:
         """Run several queries concurrently (the server batches them); results in order."""
         if not queries:
             return []
@@ -87,7 +91,8 @@ class SpanServer:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             return list(pool.map(
                 lambda q: self.execute(q, optimize_query=optimize_query,
-                                       span_options=span_options, cache_salt=cache_salt),
+                                       span_options=span_options, cache_salt=cache_salt,
+                                       weights=weights),
                 queries,
             ))
 
@@ -138,19 +143,21 @@ class SpanServer:
 
     def stream(self, query: Query, *, optimize_query: bool = True,
                span_options: SpanOptions | str | None = None,
-               cache_salt: str | None = None) -> TextStream:
+               cache_salt: str | None = None, weights: str | None = None) -> TextStream:
         """The answer's text as it is generated (deltas that concatenate to ``text``); the
         stream's ``result`` once it is read to the end."""
         body = wire.request_body(query, stream=True, optimize_query=optimize_query,
-                                 span_options=span_options, cache_salt=cache_salt)
+                                 span_options=span_options, cache_salt=cache_salt,
+                                 weights=weights)
         return TextStream(self._events(body))
 
     def astream(self, query: Query, *, optimize_query: bool = True,
                 span_options: SpanOptions | str | None = None,
-                cache_salt: str | None = None) -> AsyncTextStream:
+                cache_salt: str | None = None, weights: str | None = None) -> AsyncTextStream:
         """Async :meth:`stream`."""
         body = wire.request_body(query, stream=True, optimize_query=optimize_query,
-                                 span_options=span_options, cache_salt=cache_salt)
+                                 span_options=span_options, cache_salt=cache_salt,
+                                 weights=weights)
         return AsyncTextStream(self._aevents(body))
 
     # -- the server -----------------------------------------------------------------------------

@@ -20,7 +20,14 @@ from pathlib import Path
 
 from span_vllm import contract
 from span_workflows.errors import ModelNotAvailableError
-from span_workflows.model import BUNDLED_MODELS, DEFAULT_MODEL_NAME, resolve_model
+from span_workflows.model import (
+    BUNDLED_MODELS,
+    DEFAULT_MODEL_NAME,
+    bundled_adapters,
+    is_base,
+    resolve_model,
+)
+from span_workflows.routing import Adapter, lora_server_args
 from span_workflows.serving.wire import HEALTH_PATH
 
 LAUNCHER_MODULE = "span_workflows.serving.app"
@@ -78,12 +85,17 @@ def server_command(
     *,
     max_model_len: int | None = None,
     device: str | None = None,
+    adapters: Mapping[str, str | Path] | None = None,
+    routing: bool = True,
 ) -> list[str]:
     """The command line of the server (see :func:`serve`).
 
     ``device`` (default: :func:`detect_device`) only decides the CPU defaults: on ``"cpu"``
     ``--enforce-eager --dtype float32`` and a block size of 32 are added; on a GPU nothing
-    but what is asked. ``extra_args`` go last, so any vLLM option there wins."""
+    but what is asked. ``adapters`` (``{name: directory}``; default: the span-ready adapter
+    on the bundled base, none on other models) are served as LoRA beside the model
+    (:func:`adapter_args`); ``routing=False`` keeps span queries on the base unless they
+    name an adapter. ``extra_args`` go last, so any vLLM option there wins."""
     reference, _ = model_reference(model)
     on_cpu = (device or detect_device()) == "cpu"
     if block_size is None and on_cpu:
@@ -105,12 +117,25 @@ def server_command(
         cmd += ["--max-model-len", str(int(max_model_len))]
     if api_key:
         cmd += ["--api-key", api_key]
+    cmd += adapter_args(model, adapters)
+    if not routing:
+        cmd += ["--no-span-routing"]
     if model is None or str(model).lower() in BUNDLED_MODELS:
         # A bundled model answers to its short name as well as to its path.
         cmd += ["--served-model-name", reference,
                 DEFAULT_MODEL_NAME if model is None else str(model).lower()]
     cmd += [str(a) for a in extra_args]
     return cmd
+
+
+def adapter_args(model: str | Path | None,
+                 adapters: Mapping[str, str | Path] | None = None) -> list[str]:
+    """vLLM's LoRA flags for ``adapters`` (default: :func:`~span_workflows.model.
+    bundled_adapters` on the bundled base, none elsewhere); each adapter is checked here, so
+    a wrong path fails before the server starts."""
+    if adapters is None:
+        adapters = bundled_adapters() if is_base(model) else {}
+    return lora_server_args(Adapter.load(name, path) for name, path in adapters.items())
 
 
 def server_env(
@@ -143,6 +168,8 @@ def serve(
     block_size: int | None = None,
     kv_cache_gib: int = 2,
     extra_args: Sequence[str] = (),
+    adapters: Mapping[str, str | Path] | None = None,
+    routing: bool = True,
 ) -> None:
     """Run the span server in the foreground until interrupted (replaces this process).
 
@@ -150,9 +177,11 @@ def serve(
     a hub id (``meta-llama/Llama-3.1-8B-Instruct``). ``extra_args`` are passed to vLLM's
     server as is, after the defaults (e.g. ``["--tensor-parallel-size", "2", "--dtype",
     "bfloat16"]``); ``block_size=None`` means 32 on CPU, vLLM's default on a GPU.
+    ``adapters`` and ``routing``: see :func:`server_command`.
     Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an unknown model.
     """
-    cmd = server_command(model, host, port, None, block_size, extra_args)
+    cmd = server_command(model, host, port, None, block_size, extra_args, adapters=adapters,
+                         routing=routing)
     env = server_env(model, kv_cache_gib, api_key=api_key)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -171,18 +200,21 @@ def start_server_process(
     timeout: float = 300.0,
     log_path: str | Path | None = None,
     max_model_len: int | None = None,
+    adapters: Mapping[str, str | Path] | None = None,
+    routing: bool = True,
 ) -> tuple[subprocess.Popen, str]:
     """Start the server in the background; return ``(process, url)`` once ``/health`` is 200.
 
     ``port=None`` picks a free port. The process leads its own process group: stop it with
     :func:`stop_server_process` (which also ends the engine processes it started). Output goes
     to ``log_path`` (default: discarded). Raises :class:`ServerStartError` if the process exits
-    or is not healthy within ``timeout`` seconds (it is stopped then).
+    or is not healthy within ``timeout`` seconds (it is stopped then). ``adapters`` and
+    ``routing``: see :func:`server_command`.
     """
 
     port = free_port(host) if port is None else int(port)
     cmd = server_command(model, host, port, None, block_size, extra_args,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, adapters=adapters, routing=routing)
     env = server_env(model, kv_cache_gib, api_key=api_key)
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:

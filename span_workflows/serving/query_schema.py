@@ -88,6 +88,8 @@ WRAPPER_SCHEMAS: dict[str, dict[str, Any]] = {
     "span_options": {"oneOf": [{"enum": list(ATTEND_CHOICES)},
                                {"$ref": "#/$defs/span_options"}]},
     "cache_salt": {"type": "string", "minLength": 1},
+    "weights": {"type": "string", "minLength": 1,
+                "description": "the base model's or an adapter's name (default: routed)"},
 }
 _SPAN_OPTION_SCHEMAS: dict[str, dict[str, Any]] = {
     "attend": {"enum": list(ATTEND_CHOICES)}, "pad": {"enum": list(PAD_CHOICES)},

@@ -34,18 +34,27 @@ from span_workflows.plan import (
     share_prepares_async,
 )
 from span_workflows.result import BulkAnswer, Result
+from span_workflows.routing import WeightsRouter, on_weights
 from span_workflows.serving.wire import QueryBody
 from span_workflows.streaming import PartStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
 
 class SpanQueryService:
-    """Plans, runs and reports span queries on ``engine_client`` (vLLM's ``AsyncLLM``)."""
+    """Plans, runs and reports span queries on ``engine_client`` (vLLM's ``AsyncLLM``).
+
+    ``router`` chooses each query's weights (:mod:`span_workflows.routing`; default: the
+    base alone); ``loras`` maps an adapter's name to the ``LoRARequest`` the server loaded it
+    with (vLLM's ``OpenAIServingModels.lora_requests``)."""
 
     def __init__(self, engine_client: Any, tokenizer: Any, block_size: int,
                  max_model_len: int, layout_key: str,
-                 span_options: SpanOptions | None = None) -> None:
+                 span_options: SpanOptions | None = None,
+                 router: WeightsRouter | None = None,
+                 loras: Mapping[str, Any] | None = None) -> None:
         self.engine = engine_client
+        self.router = router or WeightsRouter("")
+        self.loras: Mapping[str, Any] = loras if loras is not None else {}
         self.layout_key = layout_key
         self.tokenizer = tokenizer
         self.block_size = block_size
@@ -57,19 +66,29 @@ class SpanQueryService:
     async def execute(self, node: Node, *, optimize_query: bool = True,
                       stream: PartStream | None = None, span_options: SpanOptions | None = None,
                       cache_salt: str | None = None,
-                      sampling: Mapping[str, Any] | None = None) -> Result:
+                      sampling: Mapping[str, Any] | None = None,
+                      weights: str | None = None) -> Result:
         """Run one parsed query; with ``stream``, its answer's text is streamed as it grows.
         ``sampling``: more vLLM ``SamplingParams`` fields for the answer's own generations
-        (see :func:`span_workflows.vllm_io.sampling_params`)."""
-        settings = QuerySettings(span_options or self.planner.compiler.options, cache_salt)
-        plan = self.planner.plan_query(self.planner.normalize(node, optimize_query),
-                                       True, settings)
+        (see :func:`span_workflows.vllm_io.sampling_params`); ``weights``: the base's or an
+        adapter's name (``None``: routed)."""
+        plan = self.plan(node, optimize_query, span_options, cache_salt, weights)
 
         async def run(req: Request) -> Output:
             return await self._run(req, stream, sampling)
 
         [result] = await drive_async([plan], run, self._probe, self._steps)
         return result
+
+    def plan(self, node: Node, optimize_query: bool = True,
+             span_options: SpanOptions | None = None, cache_salt: str | None = None,
+             weights: str | None = None) -> Any:
+        """The plan of one query, on the weights the router chooses for it."""
+        normal = self.planner.normalize(node, optimize_query)
+        route = self.router.choose(normal, True, weights)
+        options = span_options or self.router.options(route, self.planner.compiler.options)
+        return on_weights(self.planner.plan_query(normal, True,
+                                                  QuerySettings(options, cache_salt)), route)
 
     def cache_tokens(self) -> int:
         """The engine's KV cache in tokens (vLLM's block count, known once the engine core
@@ -128,27 +147,27 @@ class SpanQueryService:
     async def _bulk_one(self, query: QueryBody,
                         run: Callable[[Request], Awaitable[Output]]) -> Result | SpanQueryError:
         """One query of a bulk; its error (if invalid) as its outcome."""
-        options = query.span_options or self.planner.compiler.options
         try:
-            plan = guarded(self.planner.plan_query(
-                self.planner.normalize(query.node, query.optimize), True,
-                QuerySettings(options, query.cache_salt)))
+            plan = guarded(self.plan(query.node, query.optimize, query.span_options,
+                                     query.cache_salt, query.weights))
         except SpanQueryError as exc:
             return exc
         [outcome] = await drive_async([plan], run, self._probe, self._steps)
         return outcome
 
     async def _probe(self, step: Probe) -> list[bool]:
-        """One utility call per cache salt (usually one for the whole probe)."""
-        by_salt: dict[str | None, list[int]] = {}
-        for i, salt in enumerate(step.salts):
-            by_salt.setdefault(salt, []).append(i)
+        """One utility call per cache salt and weights (usually one for the whole probe)."""
+        groups: dict[tuple[str | None, str | None], list[int]] = {}
+        for i, key in enumerate(zip(step.salts, step.weights, strict=True)):
+            groups.setdefault(key, []).append(i)
         answers = [False] * len(step.sequences)
-        for salt, indices in by_salt.items():
+        for (salt, weights), indices in groups.items():
             prompts = [[list(step.sequences[i].token_ids), list(step.sequences[i].segments)]
                        for i in indices]
+            lora = self._lora(weights)
             hits = await self.engine.engine_core.call_utility_async(
-                contract.PROBE_CALL, prompts, salt)
+                contract.PROBE_CALL, prompts, salt,
+                None if lora is None else [lora.lora_int_id, lora.lora_path])
             for i, hit in zip(indices, hits, strict=True):
                 answers[i] = bool(hit)
         return answers
@@ -162,12 +181,22 @@ class SpanQueryService:
         run = RequestRun(req, time.perf_counter(), stream)
         outputs = self.engine.generate(tokens_prompt(req),
                                        sampling_params(req, self.layout_key, sampling),
-                                       f"span-{uuid.uuid4().hex}")
+                                       f"span-{uuid.uuid4().hex}",
+                                       lora_request=self._lora(req.weights))
         async for out in outputs:
             if run.see(out, time.perf_counter()):
                 await outputs.aclose()  # aborts the request in the engine; nothing was streamed
                 break
         return run.output(time.perf_counter())
+
+    def _lora(self, weights: str | None) -> Any:
+        """The ``LoRARequest`` of the adapter ``weights`` (``None``: the base)."""
+        if weights is None:
+            return None
+        lora = self.loras.get(weights)
+        if lora is None:
+            raise SpanQueryError("model", f"adapter {weights!r} is not loaded on this server")
+        return lora
 
     async def refresh_stats(self, timeout: float = 5.0) -> dict[str, int]:
         """Fetch the span counters from the engine core (keeps the last values on failure)."""

@@ -3,8 +3,10 @@ read and write it.
 
 **Request** (``POST`` :data:`EXECUTE_PATH`, at most :data:`MAX_BODY_BYTES` by default): a span
 query in spnl's JSON IR, bare, or wrapped as ``{"query": Q, "stream": false, "optimize": true,
-"span_options": {...}, "cache_salt": "..."}`` (only :data:`WRAPPER_KEYS`; every key but
-``query`` optional). Written by :func:`request_body`, read by :func:`parse_body`.
+"span_options": {...}, "cache_salt": "...", "weights": "<the base's or an adapter's name>"}``
+(only :data:`WRAPPER_KEYS`; every key but ``query`` optional; without ``weights`` the server
+routes the query, :mod:`span_workflows.routing`). Written by :func:`request_body`, read by
+:func:`parse_body`.
 
 **Answer** (200): ``{"text", "texts", "usage": {"prompt_tokens", "cached_tokens",
 "completion_tokens", "total_tokens"}, "metrics": {<Metrics.to_dict()>}, "finish_reason":
@@ -54,7 +56,8 @@ HEALTH_PATH = "/health"
 #: Largest request body the server reads (bytes), unless configured otherwise.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 #: The keys of a wrapped request; any other key means the body is a bare query.
-WRAPPER_KEYS = frozenset({"query", "stream", "optimize", "span_options", "cache_salt"})
+WRAPPER_KEYS = frozenset({"query", "stream", "optimize", "span_options", "cache_salt",
+                          "weights"})
 #: ``Content-Type`` of a stream.
 SSE_MEDIA_TYPE = "text/event-stream"
 #: Many queries at once (JSON lines in, JSON lines out).
@@ -77,11 +80,13 @@ class QueryBody:
     optimize: bool = True
     span_options: SpanOptions | None = None
     cache_salt: str | None = None
+    #: the weights asked for by name (``None``: routed)
+    weights: str | None = None
 
 
 def request_body(query: Node | dict | list | str, *, stream: bool, optimize_query: bool = True,
                  span_options: SpanOptions | str | dict | None = None,
-                 cache_salt: str | None = None) -> dict[str, Any]:
+                 cache_salt: str | None = None, weights: str | None = None) -> dict[str, Any]:
     """The JSON request for ``query`` (a tree, its JSON value, or JSON text, checked here)."""
     if isinstance(query, str):
         query = from_json(query)
@@ -93,6 +98,8 @@ def request_body(query: Node | dict | list | str, *, stream: bool, optimize_quer
         body["span_options"] = SpanOptions.coerce(span_options).as_dict()
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if weights is not None:
+        body["weights"] = weights
     return body
 
 
@@ -119,9 +126,12 @@ def parse_body(body: bytes) -> QueryBody:
     salt = obj.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise SpanQueryError("cache_salt", "must be a non-empty string")
+    weights = obj.get("weights")
+    if weights is not None and (not isinstance(weights, str) or not weights):
+        raise SpanQueryError("weights", "must be the name of the base model or of an adapter")
     options = obj.get("span_options")
     return QueryBody(from_json(obj["query"]), stream, optimize_query,
-                     None if options is None else SpanOptions.coerce(options), salt)
+                     None if options is None else SpanOptions.coerce(options), salt, weights)
 
 
 # -- answers ---------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
         assert row["steps_stock"] == row["steps_hit"] == 1
     one, three = rows
     assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
-    assert three["steps_new_combination"] == 2  # the links in one step, then the answer
+    # the span-ready adapter needs no link blocks: a new combination is the answer's step
+    assert three["steps_new_combination"] == 1
 
 
 @pytest.mark.engine

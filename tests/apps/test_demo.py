@@ -6,6 +6,7 @@ import pytest
 
 from span_workflows.apps.corpus import chunk_documents, module_documents
 from span_workflows.apps.demo import DEFAULT_QUESTIONS, run_demo
+from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 from span_workflows.retrieval import VectorIndex
 
 pytestmark = pytest.mark.engine
@@ -34,5 +35,9 @@ def test_run_demo_one_question(engine):
     assert again["span_cached_tokens"] > 0
     assert again["span_cached_tokens"] >= again["stock_cached_tokens"]
     assert again["span"]["prepare_requests"] == 0
+    # span queries on the span-ready adapter, stock on the base, and the table says so
+    assert {(r["weights"], r["stock_weights"]) for r in rows} == {
+        (SPAN_MODEL_NAME, BASE_MODEL_NAME)}
     report = "\n".join(lines)
     assert "Cached tokens: span" in report and "RAG over the Python stdlib docs" in report
+    assert "adapter / base" in report

@@ -198,7 +198,8 @@ class _StubEngine:
         assert name == contract.PROBE_CALL
         return [False] * len(args[0])
 
-    async def generate(self, prompt: Any, params: Any, request_id: str):
+    async def generate(self, prompt: Any, params: Any, request_id: str,
+                       lora_request: Any = None):
         self.requests += 1
         outs = [SimpleNamespace(index=i, text="ok", token_ids=[1, 2], finish_reason="length")
                 for i in range(params.n)]

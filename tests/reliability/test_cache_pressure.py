@@ -143,5 +143,40 @@ def test_duplicated_blocks_under_pressure_equal_alone(http, alone) -> None:
     assert http.get("/health").status_code == 200
 
 
+def _on(weights: str, payload: dict) -> dict:
+    """``payload`` on ``weights`` (the base's or an adapter's name), asked by name."""
+    return {**payload, "weights": weights}
+
+
+def test_base_and_adapter_share_no_block_and_stay_right_under_pressure(http, alone) -> None:
+    """The same documents under the base and the span-ready adapter: the second weights'
+    first run computes every span again (no block of the other weights is read), and
+    concurrent mixed requests under eviction equal each one run alone."""
+    from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+
+    docs = [0, 1, 2, 3]
+    base, adapter = _on(BASE_MODEL_NAME, query(docs)), _on(SPAN_MODEL_NAME, query(docs))
+    expected = {w: alone(p) for w, p in ((BASE_MODEL_NAME, base), (SPAN_MODEL_NAME, adapter))}
+    reset_server_cache(http)
+    first = run(http, base)
+    assert first["metrics"]["weights"] == BASE_MODEL_NAME
+    second = run(http, adapter)
+    assert second["metrics"]["weights"] == SPAN_MODEL_NAME
+    assert [first["text"], second["text"]] == [expected[BASE_MODEL_NAME],
+                                               expected[SPAN_MODEL_NAME]]
+    for answer in (first, second):
+        assert answer["metrics"]["prepare_requests"] == len(docs)
+        # everything read from the cache was computed by this query's own prepares
+        assert answer["metrics"]["cached_tokens"] <= answer["metrics"]["prepared_tokens"]
+    assert run(http, query(docs))["metrics"]["weights"] == SPAN_MODEL_NAME  # routed
+    pairs = [[_on(w, query(o)) for w in (BASE_MODEL_NAME, SPAN_MODEL_NAME)]
+             for o in _workload(7, 6)]  # 6 x 4 documents: 72 blocks of each weights
+    truth = [[alone(p) for p in pair] for pair in pairs]
+    reset_server_cache(http)
+    for pair, expected_pair in zip(pairs, truth, strict=True):
+        assert [a["text"] for a in _concurrent(http, pair)] == expected_pair
+    STATS["mixed_weights_requests"] = 2 * len(pairs)
+
+
 def test_report_pressure_figures() -> None:
     print(f"\ncache pressure ({BLOCKS} blocks of 32 tokens): {STATS}")

@@ -13,6 +13,7 @@ from dev_server import rag_payload, reset_server_cache, run_query, small_pool_se
 
 from span_workflows.ir import Cross, Fragment, Plus, System, User
 from span_workflows.json_ir import to_obj
+from span_workflows.model import BASE_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
@@ -26,8 +27,10 @@ SALTED_DOCS = [f"Document {i}: the {w} of Tessmere is painted {c} and opens at {
                                            ("market", "red")])]
 
 
-def _query(docs: list[str], question: str, max_tokens: int = 6) -> dict:
-    return rag_payload(SYSTEM, docs, question, max_tokens)
+def _query(docs: list[str], question: str, max_tokens: int = 6,
+           weights: str | None = None) -> dict:
+    payload = rag_payload(SYSTEM, docs, question, max_tokens)
+    return payload if weights is None else {**payload, "weights": weights}
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +52,20 @@ def test_a_copy_never_finds_the_pool_empty(http: httpx.Client) -> None:
     """A decodes while holding SPAN at one position; B reads SPAN at another and its tail asks
     for about every free block, so B's copies of SPAN must be reserved when B is admitted (or B
     waits): both finish, and both answer as they do alone, for every tail size."""
+    # on the base, whose answer runs long: A must still decode while B is admitted
     a = _query([SPAN], "Who built the lighthouse? Then tell me all you know about it.",
-               max_tokens=160)
+               max_tokens=160, weights=BASE_MODEL_NAME)
     waited = _counters(http)["deferred_hits"]
     for tail_blocks in range(16, 23, 2):
         question = "Who built the lighthouse? " + "Think step by step. " * (6 * tail_blocks)
-        b = _query([OTHER, SPAN], question, max_tokens=4)
+        b = _query([OTHER, SPAN], question, max_tokens=4, weights=BASE_MODEL_NAME)
         reset_server_cache(http)
         alone_a = _run(http, a)["text"]
         reset_server_cache(http)
         alone_b = _run(http, b)["text"]
         reset_server_cache(http)
-        _run(http, _query([SPAN], "Who?", max_tokens=1))  # SPAN cached, at its first position
+        _run(http, _query([SPAN], "Who?", max_tokens=1,  # SPAN cached, at its first position
+                          weights=BASE_MODEL_NAME))
         together: dict[str, str] = {}
         events: list[dict] = []
         with httpx.Client(base_url=str(http.base_url), timeout=300) as other:

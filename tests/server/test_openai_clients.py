@@ -19,7 +19,7 @@ from shared_server import API_KEY
 
 from span_workflows.fragments import lift_messages
 from span_workflows.json_ir import to_obj
-from span_workflows.model import DEFAULT_MODEL_NAME
+from span_workflows.model import DEFAULT_MODEL_NAME, SPAN_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
@@ -47,6 +47,8 @@ DOCS = [
 ]
 QUESTION_1 = "Who built the Varnholm lighthouse?"
 QUESTION_2 = "How far away can the Varnholm light be seen?"
+#: A question whose answer is a sentence or two (streams of several chunks, words to stop at).
+QUESTION_LONG = "Tell me about the Varnholm lighthouse and its keepers."
 #: Least share of the second question's document tokens that must come from the cache.
 MIN_DOC_CACHED = 0.8
 
@@ -126,7 +128,7 @@ def test_openai_sdk_reuses_documents_in_any_order(client: openai.OpenAI, http: h
 
 
 def test_openai_sdk_stream_is_token_by_token(client: openai.OpenAI) -> None:
-    kwargs = {"model": MODEL, "messages": _messages(DOCS[::-1], QUESTION_1), "max_tokens": 24,
+    kwargs = {"model": MODEL, "messages": _messages(DOCS[::-1], QUESTION_LONG), "max_tokens": 24,
               "temperature": 0, "extra_body": {"spans": DOCS}}
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     started = time.perf_counter()
@@ -184,7 +186,7 @@ def test_n_seed_stop_and_cache_salt(client: openai.OpenAI) -> None:
         model=MODEL, messages=_messages(DOCS, QUESTION_1), max_tokens=1, temperature=0,
         extra_body={"spans": DOCS, "cache_salt": "tenant-b"})
     assert other_tenant.usage.prompt_tokens_details.cached_tokens == 0
-    kwargs = {"model": MODEL, "messages": _messages(DOCS, QUESTION_1), "max_tokens": 24,
+    kwargs = {"model": MODEL, "messages": _messages(DOCS, QUESTION_LONG), "max_tokens": 24,
               "temperature": 0, "extra_body": {"spans": DOCS}}
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     word = full.split()[2]
@@ -211,8 +213,9 @@ def test_listed_text_not_in_the_messages_is_a_400_naming_it(client: openai.OpenA
 def test_without_spans_it_is_stock_vllm_under_both_names(client: openai.OpenAI,
                                                          http: httpx.Client) -> None:
     names = {m.id for m in client.models.list().data}
-    assert MODEL in names and len(names) == 2  # the short name and the path
-    path_name = next(n for n in names if n != MODEL)
+    # the short name and the path of the base, and the span-ready adapter
+    assert MODEL in names and SPAN_MODEL_NAME in names and len(names) == 3
+    path_name = next(n for n in names if n not in (MODEL, SPAN_MODEL_NAME))
     for name in (MODEL, path_name):
         answer = client.chat.completions.create(
             model=name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4,
@@ -464,7 +467,7 @@ def test_framework_classes_stream_token_by_token_from_the_server(server: str) ->
     from span_workflows.builders import rag
     from span_workflows.serving.client import SpanServer
 
-    query = rag(SYSTEM, DOCS, QUESTION_1, max_tokens=24, temperature=0.0)
+    query = rag(SYSTEM, DOCS, QUESTION_LONG, max_tokens=24, temperature=0.0)
     figures = {}
     with SpanServer(server, api_key=API_KEY) as backend:
         whole = backend.execute(query).text

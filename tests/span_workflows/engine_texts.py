@@ -8,3 +8,9 @@ B = ("Zorblax is a fictional metal that melts at twelve degrees Celsius; sculpto
 C = ("The Blue Heron Inn serves breakfast from six to nine in the morning and closes every "
      "Tuesday so the staff can clean the old oak floors. ") * 2
 QUESTION = "What is the capital of Freedonia?"
+
+
+def lora_of(engine, result) -> str | None:
+    """The adapter ``result`` ran on (``None``: the base), for raw requests and probes that
+    must hash as its requests did."""
+    return engine.router.named(result.metrics.weights).lora

@@ -8,6 +8,7 @@ from engine_texts import QUESTION, SYSTEM, A, B, C
 from span_workflows import agent_step, judge_generator, rag
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
 from span_workflows.layout import SpanOptions
+from span_workflows.model import BASE_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
@@ -74,9 +75,11 @@ def test_repositioned_logits_match_the_attention_reference_of_the_mode(
     farther off, so the check could fail."""
     options = SpanOptions(attend=attend, link_blocks=link_blocks)
     engine.reset_cache()
-    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options=options)
+    # the reference computes with the base's weights (the adapter's: the routing tests)
+    engine.execute(_ordered_rag([A, B, C]), optimize_query=False, span_options=options,
+                   weights=BASE_MODEL_NAME)
     moved = engine.execute(_ordered_rag([C, A, B]), optimize_query=False, logprobs=5,
-                           span_options=options)
+                           span_options=options, weights=BASE_MODEL_NAME)
     assert moved.metrics.cached_tokens > 0
     assert moved.metrics.prepare_requests == 0  # every span cached ...
     assert moved.metrics.link_requests == len(moved.query.links)  # ... new order: new links

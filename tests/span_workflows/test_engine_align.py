@@ -62,9 +62,14 @@ def _equals_a_fresh_run(engine, result) -> None:
     """The judge's prompt computed from nothing (each span by its own prepare, no draft KV)
     gives the same answer and first-token log-probabilities."""
     tq = result.query
+    weights = engine.router.named(result.metrics.weights).lora  # the judge's weights
     engine.reset_cache()
-    engine._run([Request.prepare(p) for p in tq.prepare])
-    [fresh] = engine._run([Request(tq.token_ids, 4, 0.0, logprobs=5, segments=tq.segments)])
+    prepares = [Request.prepare(p) for p in tq.prepare]
+    for request in prepares:
+        request.weights = weights
+    engine._run(prepares)
+    [fresh] = engine._run([Request(tq.token_ids, 4, 0.0, logprobs=5, segments=tq.segments,
+                                   weights=weights)])
     assert fresh.texts[0] == result.text
     for token, logprob in fresh.first_logprobs.items():
         assert abs(result.first_logprobs[token] - logprob) < 1e-3, token

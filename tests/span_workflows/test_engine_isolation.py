@@ -5,7 +5,7 @@ across cache salts, and for requests that do not come from the planner."""
 from __future__ import annotations
 
 import pytest
-from engine_texts import SYSTEM, A, B, C
+from engine_texts import SYSTEM, A, B, C, lora_of
 
 from span_vllm import contract
 from span_workflows.compile import SpanPrompt
@@ -62,10 +62,14 @@ def test_a_hit_on_a_span_computed_in_the_same_step_waits_for_its_kv(engine) -> N
     q = _query([A, B])
     unlinked = SpanOptions(link_blocks=0)
     tq = engine.compile(q, span_options=unlinked)
+    weights = engine.weights_of(q).lora  # the weights the planner runs q on
     engine.reset_cache()
     deferred = engine.span_stats()["deferred_hits"]
-    outs = engine._run([Request.prepare(p) for p in tq.prepare]
-                       + [Request(tq.token_ids, 12, 0.0, segments=tq.segments)])
+    prepares = [Request.prepare(p) for p in tq.prepare]
+    for request in prepares:
+        request.weights = weights
+    outs = engine._run(prepares + [Request(tq.token_ids, 12, 0.0, segments=tq.segments,
+                                           weights=weights)])
     assert engine.span_stats()["deferred_hits"] > deferred
     together = outs[-1]
     engine.reset_cache()
@@ -88,11 +92,13 @@ def test_cache_salt_separates_tenants_spans(engine) -> None:
     assert unsalted.metrics.prepare_requests == 3
     assert first.text == again.text == other.text == unsalted.text
     # Nothing of tenant a is visible to tenant b, not even through a raw request.
-    probe = engine._probe(Probe(list(first.query.prepare), ["tenant-b"] * 4))
+    weights = [lora_of(engine, first)] * 4
+    probe = engine._probe(Probe(list(first.query.prepare), ["tenant-b"] * 4, weights))
     assert probe == [True] * 4  # b's own prepares
     engine.reset_cache()
     engine.execute(q, cache_salt="tenant-a")
-    assert engine._probe(Probe(list(first.query.prepare), ["tenant-b"] * 4)) == [False] * 4
+    assert engine._probe(Probe(list(first.query.prepare), ["tenant-b"] * 4,
+                               weights)) == [False] * 4
     assert _raw(engine, first.query.token_ids, salt="tenant-b").num_cached_tokens == 0
 
 
@@ -119,6 +125,6 @@ def test_prefix_anchored_prepares_are_reused_across_questions_with_the_same_pref
     engine.execute(_query([A, B, C]))
     other = engine.execute(_query([C, B], "Where is the kite festival held?"))
     assert other.metrics.prepare_requests == 0
-    probe = engine._probe(Probe([SpanPrompt(p.token_ids, p.segments)
-                                 for p in other.query.prepare]))
+    prompts = [SpanPrompt(p.token_ids, p.segments) for p in other.query.prepare]
+    probe = engine._probe(Probe(prompts, weights=[lora_of(engine, other)] * len(prompts)))
     assert all(probe)

@@ -1,6 +1,7 @@
 """The training forward computes what the engine computes: first-token log-probabilities of
 span mode (documents moved since they were cached, so their keys are re-rotated; with and
-without link blocks) and of stock mode equal the engine's within 1e-3 nat (float32)."""
+without link blocks; on the base and with the span-ready LoRA adapter active) and of stock mode
+equal the engine's within 1e-3 nat (float32)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from span_workflows import optimize, rag
 from span_workflows.layout import SpanOptions
+from span_workflows.model import ADAPTERS_DIR, BASE_MODEL_NAME, SPAN_MODEL_NAME
 from span_workflows.tune.forward import span_forward, stock_forward
 from span_workflows.tune.train import _end_of_turn
 
@@ -34,6 +36,16 @@ def model(engine):
                                                 dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="module")
+def adapted(engine):
+    """The base with the span-ready adapter as a LoRA (peft, not merged): what training runs."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(engine.model_dir), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(ADAPTERS_DIR / SPAN_MODEL_NAME)).eval()
+
+
 def _check(engine_logprobs: dict[int, float], logits: torch.Tensor) -> None:
     ours = torch.log_softmax(logits[0].double(), dim=-1)
     assert engine_logprobs
@@ -41,29 +53,34 @@ def _check(engine_logprobs: dict[int, float], logits: torch.Tensor) -> None:
         assert abs(float(ours[token]) - logprob) < 1e-3, (token, logprob, float(ours[token]))
 
 
-@pytest.mark.parametrize("link_blocks", [0, 1])
-def test_span_forward_equals_the_engine_in_span_mode(engine, model, link_blocks: int) -> None:
+@pytest.mark.parametrize(("link_blocks", "weights"), [(0, BASE_MODEL_NAME), (1, BASE_MODEL_NAME),
+                                                      (0, SPAN_MODEL_NAME)])
+def test_span_forward_equals_the_engine_in_span_mode(engine, model, adapted, link_blocks: int,
+                                                     weights: str) -> None:
     options = SpanOptions(link_blocks=link_blocks)
     engine.reset_cache()
     # cache every document in another combination first: the query below reads them moved
     engine.execute(rag(SYSTEM, DOCS[:2], "Where is the Jueng Library?", max_tokens=1),
-                   span_options=options)
+                   span_options=options, weights=weights)
     engine.execute(rag(SYSTEM, DOCS[2:], "Where is the Shoax Canal?", max_tokens=1),
-                   span_options=options)
+                   span_options=options, weights=weights)
     query = rag(SYSTEM, DOCS, QUESTION, max_tokens=1)
-    result = engine.execute(query, logprobs=5, span_options=options)
+    result = engine.execute(query, logprobs=5, span_options=options, weights=weights)
+    assert result.metrics.weights == weights
     assert result.metrics.prepare_requests == 0 and result.metrics.cached_tokens > 0
     assert result.metrics.link_requests == (2 if link_blocks else 0)
     tq = engine.compile(query, span_options=options)
     assert tq.token_ids == result.query.token_ids
     with torch.no_grad():
-        logits = span_forward(model, tq, [result.token_ids[0]])
+        logits = span_forward(adapted if weights == SPAN_MODEL_NAME else model, tq,
+                              [result.token_ids[0]])
     _check(result.first_logprobs, logits)
 
 
 def test_stock_forward_equals_the_engine_in_stock_mode(engine, model) -> None:
     query = rag(SYSTEM, DOCS, QUESTION, max_tokens=1)
     result = engine.execute_many([query], span_mode=False, logprobs=5)[0]
+    assert result.metrics.weights == BASE_MODEL_NAME
     prompt = engine.compile(query, span_mode=False).token_ids
     with torch.no_grad():
         logits = stock_forward(model, prompt, [result.token_ids[0], _end_of_turn(
