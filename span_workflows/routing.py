@@ -34,11 +34,9 @@ from span_vllm.contract import adapter_digest
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Generate, Node, Plus, iter_nodes
 from span_workflows.layout import SpanOptions
+from span_workflows.model import SPAN_DEFAULTS_FILE
 from span_workflows.plan import Plan, Probe, Request
 from span_workflows.result import Result
-
-#: The file of a span-ready adapter (or model) that records its best span options.
-SPAN_DEFAULTS_FILE = "span_workflows.json"
 
 
 @dataclass(frozen=True, slots=True)
