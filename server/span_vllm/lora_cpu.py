@@ -11,6 +11,13 @@ The ops here compute the same products grouped by adapter: one plain matmul per 
 adapter index in the batch (usually one), and nothing for tokens with index ``-1``. Same
 signatures and output semantics as vLLM's (``add_inputs``, slices, the single-row broadcast of
 ``bgmv_expand``); :func:`install` puts them where ``PunicaWrapperCPU`` looks them up.
+
+Linear layers (q/k/v/o, gate/up, down: nearly all the LoRA work) skip the per-slice ops:
+:func:`add_lora_linear` replaces the wrapper's method with one shrink for all of a layer's
+slices (their ``A`` matrices concatenated once, re-read when a slot is loaded anew) and one
+``addmm_`` per slice into the output, for each group of tokens that share an adapter; the
+groups are found once per engine step. On SmolLM2-135M (rank 16, 30 layers) that is about
+half the time of the per-slice ops in prefill and a quarter in decode.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 #: The op names ``vllm.lora.punica_wrapper.punica_cpu`` imports and :func:`install` replaces.
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
@@ -121,9 +129,93 @@ def sgmv_expand_slice(inputs: torch.Tensor, lora_b_weights: torch.Tensor,
                       slice_size, add_inputs)
 
 
+#: A token group: its adapter slot and its rows (``None``: every row of the batch).
+TokenGroup = tuple[int, "torch.Tensor | None"]
+
+
+def token_groups(indices: torch.Tensor) -> list[TokenGroup]:
+    """The adapter slots present in ``indices`` (one per token), each with its rows; tokens
+    with ``-1`` (no adapter) belong to no group. One group of every row when all tokens share
+    one slot (the usual case), so callers can skip the gather."""
+    present = torch.unique(indices).tolist()
+    if len(present) == 1:
+        return [] if present[0] < 0 else [(int(present[0]), None)]
+    return [(int(slot), (indices == slot).nonzero().squeeze(1)) for slot in present
+            if slot >= 0]
+
+
+def _stacked_shrink(wrapper: Any, lora_a_stacked: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The layer's ``A`` matrices of every slice side by side, ``[slots, sum(rank), in]``,
+    cached on the wrapper and rebuilt when any of them was written since (a slot loaded)."""
+    cache: dict[int, tuple[tuple[int, ...], torch.Tensor]] = wrapper.__dict__.setdefault(
+        "_span_stacked_a", {})
+    key = id(lora_a_stacked[0])
+    versions = tuple(a._version for a in lora_a_stacked) + tuple(
+        a.data_ptr() for a in lora_a_stacked)
+    held = cache.get(key)
+    if held is None or held[0] != versions:
+        joined = torch.cat([a.squeeze(1) if a.dim() == 4 else a for a in lora_a_stacked], dim=1)
+        held = (versions, joined)
+        cache[key] = held
+    return held[1]
+
+
+def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor,
+                    lora_a_stacked: tuple[torch.Tensor, ...],
+                    lora_b_stacked: tuple[torch.Tensor, ...], scale: float,
+                    output_slices: tuple[int, ...], *, buffer: Any = None,
+                    **kwargs: Any) -> None:
+    """``PunicaWrapperCPU.add_lora_linear``: ``y[:, slice_i] += scale * x @ A_i^T @ B_i^T``
+    for every token with an adapter, per slice ``i`` of ``output_slices`` (vLLM's contract),
+    one shrink per token group for all slices together."""
+    del buffer, kwargs
+    assert len(lora_a_stacked) == len(lora_b_stacked) == len(output_slices)
+    rows = x.size(0)
+    groups = _step_groups(self, rows)
+    if not groups:
+        return
+    stacked = _stacked_shrink(self, lora_a_stacked)
+    ranks = [a.size(-2) for a in lora_a_stacked]
+    for slot, where in groups:
+        inputs = x if where is None else x[where]
+        shrunk = F.linear(inputs.to(stacked.dtype), stacked[slot])
+        if scale != 1.0:
+            shrunk.mul_(scale)
+        column = start = 0
+        for rank, width, b in zip(ranks, output_slices, lora_b_stacked, strict=True):
+            weight = (b.squeeze(1) if b.dim() == 4 else b)[slot]
+            part = shrunk[:, start: start + rank]
+            target = y[:, column: column + width]
+            if where is None:
+                target.addmm_(part.to(y.dtype), weight.t().to(y.dtype))
+            else:
+                target.index_add_(0, where, (part @ weight.t()).to(y.dtype))
+            column += width
+            start += rank
+
+
+def _step_groups(wrapper: Any, rows: int) -> list[TokenGroup]:
+    """:func:`token_groups` of this step's tokens, computed once per step (the wrapper's
+    metadata update clears it) for the first ``rows`` tokens."""
+    held = wrapper.__dict__.get("_span_groups")
+    if held is None or held[0] != rows:
+        held = (rows, token_groups(wrapper.token_lora_indices[:rows]))
+        wrapper._span_groups = held
+    return held[1]
+
+
+def _clearing_groups(update: Any) -> Any:
+    def update_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._span_groups = None
+        return update(self, *args, **kwargs)
+
+    update_metadata._span_wrapped = True  # type: ignore[attr-defined]
+    return update_metadata
+
+
 def install() -> bool:
-    """Point ``PunicaWrapperCPU`` at these ops (idempotent); ``False`` if this vLLM has no CPU
-    punica wrapper or it no longer imports the ops by name."""
+    """Point ``PunicaWrapperCPU`` at these ops and :func:`add_lora_linear` (idempotent);
+    ``False`` if this vLLM has no CPU punica wrapper or it no longer imports the ops by name."""
     try:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:  # pragma: no cover - a vLLM build without LoRA
@@ -133,7 +225,30 @@ def install() -> bool:
         return False
     for name in OPS:
         setattr(module, name, globals()[name])
+    wrapper = module.PunicaWrapperCPU
+    if wrapper.add_lora_linear is not add_lora_linear:
+        _VLLMS["add_lora_linear"] = wrapper.add_lora_linear
+    wrapper.add_lora_linear = add_lora_linear
+    if not getattr(wrapper.update_metadata, "_span_wrapped", False):
+        wrapper.update_metadata = _clearing_groups(wrapper.update_metadata)
     return True
 
 
-__all__ = ["OPS", "grouped_lora_matmul", "install", *OPS]
+def restore_vllms() -> None:
+    """Put vLLM's own CPU LoRA ops and ``add_lora_linear`` back (to measure them side by side;
+    a batch mixing base and adapter requests then has vLLM's ``-1`` defect again)."""
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in OPS:
+        setattr(punica_cpu, name, getattr(torch_ops, name))
+    if "add_lora_linear" in _VLLMS:
+        punica_cpu.PunicaWrapperCPU.add_lora_linear = _VLLMS["add_lora_linear"]
+
+
+#: vLLM's methods that :func:`install` replaced, by name.
+_VLLMS: dict[str, Any] = {}
+
+
+__all__ = ["OPS", "add_lora_linear", "grouped_lora_matmul", "install", "restore_vllms",
+           "token_groups", *OPS]

@@ -54,12 +54,9 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
     model, with_adapters, weights, vllm_ops = CONFIGS[config]
     engine = Engine(model, adapters=None if with_adapters else {}, load_progress=False)
     if vllm_ops:
-        from vllm.lora.ops import torch_ops
-        from vllm.lora.punica_wrapper import punica_cpu
+        from span_vllm.lora_cpu import restore_vllms
 
-        for name in dir(torch_ops):  # put vLLM's own ops back where the plugin put its own
-            if name.startswith(("bgmv_", "sgmv_")) and hasattr(punica_cpu, name):
-                setattr(punica_cpu, name, getattr(torch_ops, name))
+        restore_vllms()
     name = {"base": BASE_MODEL_NAME, "adapter": SPAN_MODEL_NAME, None: None}[weights]
     rng = random.Random(0)
     words = engine.tokenizer.convert_ids_to_tokens(list(range(1000, 9000)))

@@ -69,14 +69,85 @@ def test_tokens_without_an_adapter_stay_on_the_base_weights():
     torch.testing.assert_close(ours[2], x[2] @ a[1, 0].t())
 
 
-def test_install_points_the_cpu_wrapper_at_the_grouped_ops():
+def test_install_points_the_cpu_wrapper_at_the_grouped_ops_and_restore_undoes_it():
     from vllm.lora.punica_wrapper import punica_cpu
 
-    saved = {name: getattr(punica_cpu, name) for name in lora_cpu.OPS}
+    assert lora_cpu.install()
+    assert all(getattr(punica_cpu, name) is getattr(lora_cpu, name) for name in lora_cpu.OPS)
     try:
-        assert lora_cpu.install()
-        assert all(getattr(punica_cpu, name) is getattr(lora_cpu, name)
+        lora_cpu.restore_vllms()
+        assert all(getattr(punica_cpu, name) is getattr(vllm_ops, name)
                    for name in lora_cpu.OPS)
+        assert punica_cpu.PunicaWrapperCPU.add_lora_linear is not lora_cpu.add_lora_linear
     finally:
-        for name, op in saved.items():
-            setattr(punica_cpu, name, op)
+        assert lora_cpu.install()
+    assert punica_cpu.PunicaWrapperCPU.add_lora_linear is lora_cpu.add_lora_linear
+
+
+class _Wrapper:
+    """The part of ``PunicaWrapperCPU`` that :func:`lora_cpu.add_lora_linear` reads."""
+
+    def __init__(self, indices: list[int]) -> None:
+        self.token_lora_indices = torch.tensor(indices)
+
+
+def _per_token_reference(y: torch.Tensor, x: torch.Tensor, a: tuple[torch.Tensor, ...],
+                         b: tuple[torch.Tensor, ...], scale: float, slices: tuple[int, ...],
+                         indices: list[int]) -> torch.Tensor:
+    out = y.clone()
+    for t, slot in enumerate(indices):
+        if slot < 0:
+            continue
+        column = 0
+        for a_i, b_i, width in zip(a, b, slices, strict=True):
+            out[t, column: column + width] += scale * (x[t] @ a_i[slot, 0].t() @ b_i[slot, 0].t())
+            column += width
+    return out
+
+
+@pytest.mark.parametrize("indices", [[0, 0, 0, 0, 0], [1, -1, 0, 1, -1], [-1, -1, -1, -1, -1]])
+def test_fused_linear_lora_equals_the_per_token_formula(indices: list[int]):
+    slices = (24, 8, 8)
+    x = torch.randn(len(indices), HIDDEN, generator=torch.Generator().manual_seed(10))
+    a = tuple(_weights(11 + i, RANK, HIDDEN) for i in range(3))
+    b = tuple(_weights(21 + i, width, RANK) for i, width in enumerate(slices))
+    y = torch.randn(len(indices), sum(slices), generator=torch.Generator().manual_seed(12))
+    expected = _per_token_reference(y, x, a, b, 0.5, slices, indices)
+    lora_cpu.add_lora_linear(_Wrapper(indices), y, x, a, b, 0.5, slices)
+    torch.testing.assert_close(y, expected)
+
+
+def test_fused_linear_lora_reads_a_slot_loaded_anew():
+    """The concatenated ``A`` matrices are cached; writing a slot (an adapter loaded into it)
+    must be seen by the next step."""
+    wrapper, slices = _Wrapper([0, 0, 0]), (OUT,)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(13))
+    a, b = (_weights(14, RANK, HIDDEN),), (_weights(15, OUT, RANK),)
+    first = torch.zeros(3, OUT)
+    lora_cpu.add_lora_linear(wrapper, first, x, a, b, 1.0, slices)
+    a[0][0].copy_(_weights(16, RANK, HIDDEN)[0])
+    second = torch.zeros(3, OUT)
+    lora_cpu.add_lora_linear(wrapper, second, x, a, b, 1.0, slices)
+    torch.testing.assert_close(second, _per_token_reference(torch.zeros(3, OUT), x, a, b, 1.0,
+                                                            slices, [0, 0, 0]))
+    assert not torch.allclose(first, second)
+
+
+def test_token_groups_follow_each_metadata_update():
+    """Groups are found once per step; the wrapper's metadata update (a new batch) drops them."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    def new_batch(self: _Wrapper, indices: list[int]) -> None:
+        self.token_lora_indices = torch.tensor(indices)
+
+    update = lora_cpu._clearing_groups(new_batch)
+    wrapper = _Wrapper([0, 0])
+    assert lora_cpu._step_groups(wrapper, 2) == [(0, None)]
+    update(wrapper, [-1, -1])
+    assert lora_cpu._step_groups(wrapper, 2) == []
+    update(wrapper, [1, -1])
+    [(slot, rows)] = lora_cpu._step_groups(wrapper, 2)
+    assert slot == 1 and rows is not None and rows.tolist() == [0]
+    assert lora_cpu.install()
+    assert getattr(punica_cpu.PunicaWrapperCPU.update_metadata, "_span_wrapped", False)
+    assert punica_cpu.PunicaWrapperCPU.add_lora_linear is lora_cpu.add_lora_linear
