@@ -279,9 +279,10 @@ class Engine:
             return self._run([Request(list(p), max_tokens, temperature, logprobs=logprobs)
                               for p in prompts])
 
-    def stock(self, query: Node) -> Result:
-        """Run ``query`` in stock mode (no spans), for comparison."""
-        return self.execute_many([query], span_mode=False)[0]
+    def stock(self, query: Node, *, weights: str | None = None) -> Result:
+        """Run ``query`` in stock mode (no spans), for comparison: on the base unless
+        ``weights`` names an adapter (or the base)."""
+        return self.execute_many([query], span_mode=False, weights=weights)[0]
 
     def compile(self, query: Node, *, span_mode: bool = True,
                 span_options: SpanOptions | str | None = None) -> TokenizedQuery:

@@ -55,6 +55,7 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
     from tqdm.auto import tqdm
 
     from span_workflows.apps.bench_quality import new_combinations
+    from span_workflows.apps.provenance import provenance
 
     rng = random.Random(0)
     docs = documents(engine.tokenizer, max(docs_counts) * 3, doc_tokens)
@@ -108,6 +109,9 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             "steps_stock": steps["stock"], "steps_miss": steps["miss"],
             "steps_hit": steps["hit"], "steps_new_combination": steps["combo"],
             "hit_rate": med(hits), "same_output": all(same),
+            "weights_span": runs["combo"][-1].metrics.weights,
+            "weights_stock": runs["stock"][-1].metrics.weights,
+            **provenance(engine, reps=reps),
         })
     return rows
 

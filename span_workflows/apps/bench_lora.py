@@ -47,6 +47,7 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
     import random
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from span_workflows.apps.provenance import provenance
     from span_workflows.builders import g, user
     from span_workflows.engine import Engine
     from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
@@ -86,7 +87,8 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
             rates.append(sum(r.metrics.generated_tokens - 1 for r in results) / span)
         return {"config": config, "weights": results[0].metrics.weights,
                 "prompt_tokens": prompt_tokens, "ttft_s": statistics.median(ttfts),
-                "decode_tokens_per_s": statistics.median(rates), "reps": reps}
+                "decode_tokens_per_s": statistics.median(rates),
+                **provenance(engine, reps=reps)}
     finally:
         engine.close()
 

@@ -7,13 +7,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.provenance import QUIET_FIELDS
+
 
 def print_table(rows: list[dict[str, Any]], console: Callable[[str], None] = print) -> None:
     """A plain aligned table of ``rows``: a column for every key any row has (in the order
-    they first appear), ``–`` where a row lacks it (rows of earlier runs may have more)."""
+    they first appear), ``–`` where a row lacks it (rows of earlier runs may have more);
+    the provenance fields (commit, machine, checksums) stay in the JSON only."""
     if not rows:
         return
-    keys = list(dict.fromkeys(k for r in rows for k in r))
+    keys = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in QUIET_FIELDS]
     cells = [[_fmt(r[k]) if k in r else "–" for k in keys] for r in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
     console("  ".join(k.rjust(w) for k, w in zip(keys, widths, strict=True)))

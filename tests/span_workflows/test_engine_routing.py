@@ -56,6 +56,7 @@ def test_a_new_combination_of_cached_documents_is_one_step_on_the_adapter(engine
 def test_stock_chats_and_tool_calls_run_on_the_base(engine) -> None:
     q = b.rag(SYSTEM, DOCS[:2], "Who owns the red house?", max_tokens=8)
     assert engine.stock(q).metrics.weights == BASE_MODEL_NAME
+    assert engine.stock(q, weights=SPAN_MODEL_NAME).metrics.weights == SPAN_MODEL_NAME
     assert engine.execute(b.chat("Say hello.", max_tokens=4)).metrics.weights == BASE_MODEL_NAME
     city = '{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}'
     tools = [ToolSpec("get_weather", "The current weather in a city", city),
