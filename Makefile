@@ -23,7 +23,7 @@ DEPS := \
 PACKAGES := . server integrations/langchain \
 	integrations/llama-index-llms-span-workflows integrations/llama-index-retrievers-span-workflows
 
-.PHONY: setup demo test test-vllm lint clean
+.PHONY: setup demo test test-report test-vllm lint clean
 
 setup: $(STAMP)
 
@@ -48,8 +48,15 @@ $(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES)) \
 demo: $(STAMP)
 	$(VENV)/bin/span-workflows demo
 
+# -ra: why each test was skipped or xfailed; the 25 slowest tests and the vLLM start-ups
+# (counted by tests/conftest.py) are printed at the end.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -ra --durations=25
+
+# The same run, then the table of the slowest tests and start-ups in tests/README.md redone.
+test-report: $(STAMP)
+	SPAN_TEST_REPORT=.test-report.json $(PY) -m pytest -q -p no:cacheprovider -ra --durations=25
+	$(PY) tests/timing_report.py .test-report.json
 
 # vLLM 0.32.0's own core tests (prefix caching, KV cache utils, scheduler) with the span plugin
 # inactive and active: same outcomes, or a refusal at engine start. Fetches the vLLM source

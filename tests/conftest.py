@@ -5,11 +5,44 @@ test modules that need no settings of their own."""
 from __future__ import annotations
 
 import os
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
+from startups import StartupCounter
+
+from span_vllm.contract import START_LOG_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every vLLM engine core this run starts, in any process, appends a line here (the plugin)
+_LOG = Path(tempfile.gettempdir()) / f"span-vllm-starts-{os.getpid()}-{time.time_ns()}.log"
+os.environ[START_LOG_ENV] = str(_LOG)
+STARTUPS = StartupCounter(_LOG)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    before = STARTUPS.count()
+    yield
+    STARTUPS.attribute(item.nodeid, before)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    STARTUPS.add_time(report.nodeid, report.duration)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.section("vLLM start-ups")
+    for line in STARTUPS.summary_lines():
+        terminalreporter.write_line(line)
+    report = os.environ.get("SPAN_TEST_REPORT")
+    if report:
+        STARTUPS.write_report(Path(report))
+        terminalreporter.write_line(f"report written to {report} "
+                                    f"(python tests/timing_report.py {report})")
+    _LOG.unlink(missing_ok=True)
 
 
 def _has_cuda() -> bool:

@@ -43,6 +43,7 @@ from span_vllm.config import enabled
 
 if TYPE_CHECKING:
     from span_vllm.hashing import hash_blocks, routing_block_keys
+    from span_vllm.lora_cpu import restore_vllms as restore_vllm_lora_ops
     from span_vllm.patches import probe as span_probe
     from span_vllm.patches import span_stats, span_steps
     from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
@@ -57,6 +58,7 @@ _LAZY = {
     "RopeRotator": ("span_vllm.rotation", "RopeRotator"),
     "CpuKeyLayout": ("span_vllm.rotation", "CpuKeyLayout"),
     "PagedKeyLayout": ("span_vllm.rotation", "PagedKeyLayout"),
+    "restore_vllm_lora_ops": ("span_vllm.lora_cpu", "restore_vllms"),
 }
 
 
@@ -80,5 +82,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "hash_blocks", "register",
-    "routing_block_keys", "span_probe", "span_stats", "span_steps",
+    "restore_vllm_lora_ops", "routing_block_keys", "span_probe", "span_stats", "span_steps",
 ]

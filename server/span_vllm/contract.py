@@ -63,6 +63,9 @@ from pathlib import Path
 ENABLE_ENV = "SPAN_VLLM"
 #: The layout key (a random secret shared by the planner and the engine processes).
 KEY_ENV = "SPAN_VLLM_LAYOUT_KEY"
+#: When set, a file every engine core appends one line to (``pid<TAB>model``) as it starts,
+#: in whatever process it runs: how a test suite or a deployment counts vLLM start-ups.
+START_LOG_ENV = "SPAN_VLLM_START_LOG"
 #: ``SamplingParams.extra_args`` key of a request's span layout.
 LAYOUT_KEY = "span_layout"
 
@@ -180,10 +183,21 @@ def tag_args(tag: str) -> dict[str, object]:
 __all__ = [
     "ALIGN_KEY", "ALIGN_PROCESSOR", "ANCHORED", "BIAS_DEFAULTS", "DEFAULT_KV_CACHE_GIB",
     "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV", "LAYOUT_KEY", "LOGITS_PROCESSORS",
-    "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "STATS_CALL", "STAT_HELP", "STEPS_CALL",
-    "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "align_args", "enable", "enabled",
-    "layout_args", "layout_key", "tag_args",
+    "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "START_LOG_ENV", "STATS_CALL", "STAT_HELP",
+    "STEPS_CALL", "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "adapter_digest",
+    "align_args", "enable", "enabled", "layout_args", "layout_key", "note_start", "tag_args",
 ]
+
+
+def note_start(model: str) -> None:
+    """Append ``pid<TAB>model`` to the file :data:`START_LOG_ENV` names, if it does (one
+    ``write`` of one short line in append mode: lines of processes starting at once do not
+    interleave)."""
+    path = os.environ.get(START_LOG_ENV)
+    if not path:
+        return
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(f"{os.getpid()}\t{model}\n")
 
 
 def adapter_digest(lora_path: str | Path) -> str:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from span_vllm import config as span_config
-from span_vllm.contract import PROBE_CALL, STATS_CALL, STEPS_CALL
+from span_vllm.contract import PROBE_CALL, STATS_CALL, STEPS_CALL, note_start
 from span_vllm.hashing import (
     hash_blocks,
     make_request_block_hasher,
@@ -69,6 +69,7 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states",
      ("self", "scheduler_output")),
+    ("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", ("self", "vllm_config")),
     ("vllm.v1.engine.core", "EngineCore.add_request", ("self", "request")),
     ("vllm.v1.engine.core", "EngineCore.add_lora", ("self", "lora_request")),
 )
@@ -438,6 +439,19 @@ def span_steps(tags: list[str]) -> list[list[int] | None]:
 
 def _patch_engine_core() -> None:
     from vllm.v1.engine.core import EngineCore
+
+    def make_kv_init(original: Callable) -> Callable:
+        # once per engine core, in its own process, after the plugins are loaded (vLLM loads
+        # them inside EngineCore.__init__, so wrapping __init__ misses server engine cores)
+        def _initialize_kv_caches(self: Any, vllm_config: Any, *args: Any, **kwargs: Any
+                                  ) -> Any:
+            config = original(self, vllm_config, *args, **kwargs)
+            note_start(str(getattr(vllm_config.model_config, "model", "?")))
+            return config
+
+        return _initialize_kv_caches
+
+    _wrap(EngineCore, "_initialize_kv_caches", make_kv_init)
 
     def make_add(original: Callable) -> Callable:
         def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:

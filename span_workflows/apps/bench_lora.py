@@ -55,9 +55,9 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
     model, with_adapters, weights, vllm_ops = CONFIGS[config]
     engine = Engine(model, adapters=None if with_adapters else {}, load_progress=False)
     if vllm_ops:
-        from span_vllm.lora_cpu import restore_vllms
+        from span_vllm import restore_vllm_lora_ops
 
-        restore_vllms()
+        restore_vllm_lora_ops()
     name = {"base": BASE_MODEL_NAME, "adapter": SPAN_MODEL_NAME, None: None}[weights]
     rng = random.Random(0)
     words = engine.tokenizer.convert_ids_to_tokens(list(range(1000, 9000)))

@@ -58,17 +58,19 @@ TOP_LOGPROBS = 20
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """One way of answering: ``stock``, span mode ``options``, or (``layout_only``) the span
-    layout of ``options`` with full attention."""
+    """One way of answering: ``stock``, span mode ``options``, (``layout_only``) the span
+    layout of ``options`` with full attention, or (``routed``) what the default engine does:
+    span mode on the weights its router picks, with their own recorded options."""
 
     name: str
     options: SpanOptions | None = None
     layout_only: bool = False
+    routed: bool = False
 
     @property
     def is_span(self) -> bool:
         """Whether this variant reuses span KV (and so has a hit TTFT)."""
-        return self.options is not None and not self.layout_only
+        return (self.options is not None and not self.layout_only) or self.routed
 
 
 def _span(name: str, **fields: Any) -> Variant:
@@ -84,6 +86,7 @@ def _layout(name: str, **fields: Any) -> Variant:
 #: Every variant the benchmark knows, by name.
 VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("stock"),
+    Variant("routed", routed=True),
     _span("prefix"),
     _span("prefix/link", link_blocks=1),
     _span("prefix/link2", link_blocks=2),
@@ -117,7 +120,8 @@ def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
 def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: int = 16,
            progress: Callable[[int], None] | None = None) -> _Answers:
     """Answer every question with ``variant``; greedy, :data:`MAX_TOKENS` tokens; on the
-    engine's own model (:func:`own_weights`), never an adapter it routes span queries to."""
+    engine's own model (:func:`own_weights`), never an adapter it routes span queries to,
+    except for the ``routed`` variant, which is the engine's routing."""
     weights = own_weights(engine)
     texts: list[str] = []
     first: list[dict[int, float]] = []
@@ -136,6 +140,10 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
                                         logprobs=TOP_LOGPROBS)
             texts += [o.texts[0] for o in outs]
             first += [o.first_logprobs for o in outs]
+        elif variant.routed:
+            results = engine.execute_many(queries, logprobs=TOP_LOGPROBS)
+            texts += [r.text for r in results]
+            first += [r.first_logprobs for r in results]
         else:
             results = engine.execute_many(queries, logprobs=TOP_LOGPROBS,
                                           span_options=variant.options, weights=weights)
@@ -170,16 +178,17 @@ def new_combinations(pool: Sequence[str], k: int, count: int, seed: int = 1
 
 
 def hit_ttft(engine: Any, options: SpanOptions | None, pool: Sequence[str], k: int,
-             question: str, reps: int = 3) -> tuple[float, int]:
+             question: str, reps: int = 3, routed: bool = False) -> tuple[float, int]:
     """Median TTFT and engine steps of ``question`` over a new combination of ``k``
     documents of ``pool``, all cached by earlier queries (``pool`` asked ``k`` at a time);
-    with ``options=None``, stock's on a fresh cache; on the engine's own model."""
-    weights = own_weights(engine)
+    with ``options=None``, stock's on a fresh cache; on the engine's own model (``routed``:
+    span mode on the weights and options the engine's router picks)."""
+    weights = None if routed else own_weights(engine)
     times, steps = [], []
     seen, fresh = new_combinations(pool, k, reps)
     for combination in fresh:
         engine.reset_cache()
-        if options is None:
+        if options is None and not routed:
             m = engine.stock(rag(SYSTEM, combination, question, max_tokens=1),
                              weights=weights).metrics
         else:
@@ -299,6 +308,14 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     model = Path(str(getattr(engine, "model_dir", "model"))).name
     names = ["stock", *dict.fromkeys(n for n in variant_names if n != "stock")]
     variants = [_variant(n) for n in names]
+
+    def keyed(variant: Variant) -> str:
+        """The model part of a stored entry's name: the routed variant's also names the
+        adapters the engine routes to, by content digest."""
+        if not variant.routed:
+            return model
+        adapters = getattr(getattr(engine, "router", None), "adapters", {})
+        return "+".join([model, *(f"{name}-{a.digest[:16]}" for name, a in adapters.items())])
     bar = tqdm(total=len(variants) * len(docs_counts) * len(sizes) * count, desc="quality",
                unit="q", disable=not progress)
 
@@ -312,7 +329,7 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
                                        count_tokens=count_tokens)
             answers: dict[str, _Answers] = {}
             for variant in variants:
-                key = store.key(variant.name, n_docs, count, seed, model, size)
+                key = store.key(variant.name, n_docs, count, seed, keyed(variant), size)
                 found = store.get(key)
                 if found is None:
                     bar.set_postfix_str(f"{variant.name}, {size}, {n_docs} docs")
@@ -345,9 +362,9 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
         for v in variants:
             if v.is_span or v.name == "stock":
                 key = store.ttft_key(v.name, pool_name if pool_name == "440" else
-                                     f"{pool_name}-seed{seed}", ttft_docs, reps, model)
+                                     f"{pool_name}-seed{seed}", ttft_docs, reps, keyed(v))
                 timed[(v.name, pool_name)] = store.timed(key, lambda v=v, pool=pool: hit_ttft(
-                    engine, v.options, pool, ttft_docs, question, reps))
+                    engine, v.options, pool, ttft_docs, question, reps, routed=v.routed))
     for row in rows:
         for suffix, pool_name in (("", "440"), ("_own", row["size"])):
             if ("stock", pool_name) not in timed:  # not measured (ttft_own=False)

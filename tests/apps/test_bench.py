@@ -14,7 +14,8 @@ RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
             "ttft_span_new_combination_s", "ttft_floor_s", "speedup_hit",
             "speedup_new_combination", "speedup_miss", "hit_over_floor",
             "new_combination_over_floor", "steps_stock", "steps_miss", "steps_hit",
-            "steps_new_combination", "hit_rate", "same_output"}
+            "steps_new_combination", "hit_rate", "same_output", "weights_span",
+            "weights_stock", "commit", "machine", "reps", "model", "model_dir", "adapters"}
 
 
 @pytest.mark.engine
@@ -27,6 +28,9 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
         assert 0.9 <= row["hit_rate"] <= 1.0
         assert row["same_output"] is True
         assert row["steps_stock"] == row["steps_hit"] == 1
+        # span queries on the span-ready adapter, stock on the base, said in the row
+        assert row["weights_span"] != row["weights_stock"] == engine.model_name
+        assert row["model"] == engine.model_name and row["reps"] == 1
     one, three = rows
     assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
     # the span-ready adapter needs no link blocks: a new combination is the answer's step

@@ -277,3 +277,22 @@ def test_a_models_perplexity_is_measured_once_and_kept(tmp_path: Path) -> None:
     key = bq.AnswerStore.perplexity_key(40, "m-0123")
     assert bq.AnswerStore(path).measured(key, measure) == 22.9
     assert bq.AnswerStore(path).measured(key, measure) == 22.9 and calls == [1]
+
+
+@pytest.mark.engine
+def test_the_routed_variant_is_the_default_engines_answers(engine, tmp_path: Path) -> None:
+    """``routed`` answers span queries on the weights the router picks (the span-ready
+    adapter, its own options), stock stays on the base; its stored answers name the adapter
+    by content digest, so a retrained adapter is answered anew."""
+    from span_workflows.model import SPAN_MODEL_NAME
+
+    counting = CountingEngine(engine)
+    store = bq.AnswerStore(tmp_path / "answers.json")
+    rows = bq.bench_quality(counting, ["routed"], [2], 4, ttft_docs=0, progress=False,
+                            store=store)
+    assert [r["variant"] for r in rows] == ["stock", "routed"]
+    assert counting.weights == {engine.model_name, SPAN_MODEL_NAME}
+    digest = engine.router.adapters[SPAN_MODEL_NAME].digest[:16]
+    [routed_key] = [k for k in json.loads((tmp_path / "answers.json").read_text())
+                    if k.startswith("routed|")]
+    assert f"+{SPAN_MODEL_NAME}-{digest}" in routed_key
