@@ -5,7 +5,7 @@ documents overlap while the KV cache holds only part of them. Run in arrival ord
 is evicted and computed again many times; run so that the queries sharing documents are close
 together, each is computed about once. This module decides that order; the engines run it.
 
-* **Keys.** Each query is keyed as the router keys it (:class:`~span_workflows.scaleout.keys.
+* **Keys.** Each query is keyed as the router keys it (:class:`~span_workflows.keys.
   QueryKeyer`: the block keys of its plus spans, the engine's own hash chain, so a document
   retrieved in another order has the same keys) and sized (:class:`BulkItem`: its prompt tokens
   and its *own* tokens, those not in shared spans: question, template, one link block per span).
@@ -38,10 +38,10 @@ from typing import Any
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Node
+from span_workflows.keys import SpanKey
 from span_workflows.layout import SpanOptions
+from span_workflows.query_body import QueryBody, parse_body, request_body
 from span_workflows.result import BulkAnswer, Result
-from span_workflows.scaleout.affinity import SpanKey
-from span_workflows.serving.wire import QueryBody, parse_body, request_body
 
 #: The orders a bulk can run in.
 SCHEDULES = ("cluster", "given", "random")
@@ -136,7 +136,7 @@ def as_queries(queries: Iterable[Query], *, optimize_query: bool = True,
 def key_items(queries: Sequence[QueryBody | SpanQueryError], keyer: Any,
               default_options: SpanOptions | None = None) -> list[BulkItem]:
     """The :class:`BulkItem` of every valid query (``keyer``: a
-    :class:`~span_workflows.scaleout.keys.QueryKeyer` for the engines' block size)."""
+    :class:`~span_workflows.keys.QueryKeyer` for the engines' block size)."""
     items = []
     for index, query in enumerate(queries):
         if isinstance(query, SpanQueryError):

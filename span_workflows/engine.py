@@ -61,10 +61,10 @@ from span_workflows.plan import (
     guarded,
     share_prepares,
 )
+from span_workflows.query_body import QueryBody
 from span_workflows.render import ChatRenderer
 from span_workflows.result import BulkAnswer, Metrics, Result
 from span_workflows.routing import Adapter, Route, WeightsRouter, lora_options, on_weights
-from span_workflows.serving.wire import QueryBody
 from span_workflows.streaming import AsyncTextStream, PartStream, TextStream
 from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
@@ -243,13 +243,13 @@ class Engine:
                   cache_salt: str | None = None, seed: int = 0) -> Iterator[BulkAnswer]:
         """:meth:`execute_bulk`, its answers yielded as they are ready (in execution order,
         each with its input ``index``)."""
-        from span_workflows.scaleout.keys import QueryKeyer
+        from span_workflows.keys import QueryKeyer
 
         bulk.check_options(schedule, max_in_flight)
         parsed = bulk.as_queries(queries, optimize_query=optimize_query,
                                  span_options=span_options, cache_salt=cache_salt)
         if self._keyer is None:
-            self._keyer = QueryKeyer(self.tokenizer, self.block_size)
+            self._keyer = QueryKeyer(self.tokenizer, self.block_size, compiler=self.compiler)
         return bulk.run_bulk(parsed, self._keyer, self.cache_tokens, self._run_bulk_window,
                              schedule=schedule, max_in_flight=max_in_flight, seed=seed,
                              default_options=self.span_options)

@@ -84,6 +84,15 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
+def attention_reference():
+    """The Hugging Face model of the default weights with span attention masks
+    (:class:`~span_workflows.apps.attention_reference.AttentionReference`), loaded once."""
+    from span_workflows.apps.attention_reference import AttentionReference
+
+    return AttentionReference()
+
+
+@pytest.fixture(scope="session")
 def shared_server(tmp_path_factory: pytest.TempPathFactory):
     """The span server of :mod:`shared_server`, started on first use, stopped at the end."""
     from shared_server import shared_server_process

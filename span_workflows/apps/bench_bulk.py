@@ -200,7 +200,7 @@ def one_engine_rows(setting: Setting) -> dict[str, Any]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from span_workflows.bulk import as_queries, key_items, schedule_items
     from span_workflows.engine import Engine
-    from span_workflows.scaleout.keys import QueryKeyer
+    from span_workflows.keys import QueryKeyer
 
     engine = Engine(setting.model, kv_cache_gib=1, kv_cache_blocks=setting.cache_blocks,
                     load_progress=False)

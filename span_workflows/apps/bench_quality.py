@@ -128,7 +128,11 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
     for chunk in _chunks(questions, batch):
         queries = [rag(SYSTEM, q.documents, q.question, max_tokens=MAX_TOKENS, temperature=0.0)
                    for q in chunk]
-        if variant.options is None:
+        if variant.routed:  # the router picks the weights and their options
+            results = engine.execute_many(queries, logprobs=TOP_LOGPROBS)
+            texts += [r.text for r in results]
+            first += [r.first_logprobs for r in results]
+        elif variant.options is None:
             results = engine.execute_many(queries, span_mode=False, logprobs=TOP_LOGPROBS,
                                           weights=weights)
             texts += [r.text for r in results]
@@ -140,10 +144,6 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
                                         logprobs=TOP_LOGPROBS)
             texts += [o.texts[0] for o in outs]
             first += [o.first_logprobs for o in outs]
-        elif variant.routed:
-            results = engine.execute_many(queries, logprobs=TOP_LOGPROBS)
-            texts += [r.text for r in results]
-            first += [r.first_logprobs for r in results]
         else:
             results = engine.execute_many(queries, logprobs=TOP_LOGPROBS,
                                           span_options=variant.options, weights=weights)

@@ -134,7 +134,7 @@ def cluster_rows(queries: Sequence[bulk.Query], options: BulkOptions, tokenizer:
                  ) -> tuple[list[dict[str, Any]], list[BulkAnswer]]:
     """The rows of the pipeline (one per cluster: ``cluster``, ``indices``, ``queries``) and
     the answers of the queries that are not valid (their errors)."""
-    from span_workflows.scaleout.keys import QueryKeyer
+    from span_workflows.keys import QueryKeyer
 
     parsed = bulk.as_queries(queries)
     errors = [BulkAnswer(i, error=q) for i, q in enumerate(parsed)

@@ -105,14 +105,15 @@ class SpanQueryService:
         queries start in schedule order, at most ``max_in_flight`` and half the cache in
         prompt tokens at once (a new one as soon as one ends); identical prepares of the
         queries in flight run once."""
-        from span_workflows.scaleout.keys import QueryKeyer
+        from span_workflows.keys import QueryKeyer
 
         bulk.check_options(schedule, max_in_flight)
         for index, query in enumerate(queries):
             if isinstance(query, SpanQueryError):
                 yield BulkAnswer(index, error=query)
         if self._keyer is None:
-            self._keyer = QueryKeyer(self.tokenizer, self.block_size)
+            self._keyer = QueryKeyer(self.tokenizer, self.block_size,
+                                     compiler=self.planner.compiler)
         items = bulk.key_items(queries, self._keyer, self.planner.compiler.options)
         cache = self.cache_tokens() or sum(i.prompt_tokens for i in items) or 1
         order = bulk.schedule_items(items, schedule, cache, seed=seed).order

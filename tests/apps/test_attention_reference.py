@@ -33,9 +33,9 @@ Run = Callable[..., ReferenceOutput]
 
 
 @pytest.fixture(scope="module")
-def ref() -> AttentionReference:
+def ref(attention_reference: AttentionReference) -> AttentionReference:
     torch.manual_seed(0)
-    return AttentionReference()
+    return attention_reference
 
 
 @pytest.fixture(scope="module")

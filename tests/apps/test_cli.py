@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from span_workflows import rag, to_json
 
+ROOT = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "span_workflows.apps.cli"]
 DOCS = [
     "The lighthouse on Gull Rock was built in 1871 and painted red and white.",
@@ -19,8 +21,10 @@ DOCS = [
 ]
 
 
-def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+def _run(*args: str, timeout: int = 600, env: dict[str, str] | None = None
+         ) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -30,13 +34,19 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 @pytest.mark.engine
-def test_run_json_shows_the_cache_hit_of_reordered_documents(tmp_path: Path) -> None:
+def test_run_json_shows_the_cache_hit_quietly_and_logs_on_request(tmp_path: Path) -> None:
+    """Two RAG queries in one ``run``: the second finds the first's documents in another
+    order; stderr is one progress line (no vLLM log); ``--verbose`` shows vLLM's lines."""
     a = _write(tmp_path, "a.json", to_json(rag("Answer briefly.", DOCS, "Who kept the light?",
                                                max_tokens=12)))
     b = _write(tmp_path, "b.json", to_json(rag("Answer briefly.", DOCS[::-1],
                                                "When was it built?", max_tokens=12)))
-    done = _run("run", str(a), str(b), "--json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("VLLM_LOGGING_LEVEL", None)  # what a user's shell has: the CLI quiets vLLM itself
+    done = _run("run", str(a), str(b), "--json", env=env)
     assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == ["span-workflows: starting the engine..."]
     results = json.loads(done.stdout)
     assert [set(r["metrics"]) >= {"ttft_s", "prompt_tokens", "cached_tokens",
                                   "generated_tokens"} for r in results] == [True, True]
@@ -45,6 +55,8 @@ def test_run_json_shows_the_cache_hit_of_reordered_documents(tmp_path: Path) -> 
     assert first["prepare_requests"] > 0 and second["prepare_requests"] == 0
     assert second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
     assert all(r["text"] for r in results)
+    loud = _run("run", str(a), "--verbose", env=env)
+    assert loud.returncode == 0 and "INFO" in loud.stderr  # vLLM's log lines, on request
 
 
 def test_compile_prints_the_tree_and_token_form(tmp_path: Path) -> None:

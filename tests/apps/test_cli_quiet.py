@@ -85,21 +85,3 @@ def test_a_query_over_the_context_is_one_line_before_the_engine_starts(tmp_path:
                      "generate), longer than the model's context of 8192 tokens"], done.stderr
     assert done.stdout == ""
     print(f"\nover-long query refused in {elapsed:.1f} s (no engine started)")
-
-
-@pytest.mark.engine
-def test_run_shows_one_progress_line_and_no_engine_logs(tmp_path: Path) -> None:
-    query = tmp_path / "hi.json"
-    query.write_text(json.dumps({"g": {"input": {"user": "Say hi."}, "max_tokens": 4,
-                                       "temperature": 0.0}}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("VLLM_LOGGING_LEVEL", None)
-    done = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", "run", str(query),
-                           "--json"], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)[0]["text"]
-    assert done.stderr.strip().splitlines() == ["span-workflows: starting the engine..."]
-    loud = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", "run", str(query),
-                           "--verbose"], capture_output=True, text=True, env=env, timeout=900)
-    assert loud.returncode == 0 and "INFO" in loud.stderr  # vLLM's log lines, on request

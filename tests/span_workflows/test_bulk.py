@@ -13,9 +13,9 @@ from span_workflows import bulk
 from span_workflows.builders import rag
 from span_workflows.bulk import BulkItem, chunk, cluster_items, footprint, windows
 from span_workflows.errors import SpanQueryError
+from span_workflows.keys import SpanKey
 from span_workflows.plan import Output, Request, guarded, share_prepares
 from span_workflows.result import BulkAnswer, Metrics, Result
-from span_workflows.scaleout.affinity import SpanKey
 from span_workflows.serving import wire
 from span_workflows.serving.wire import QueryBody
 
@@ -145,7 +145,7 @@ class FakeKeyer:
 
     def route(self, node, **_):
         from span_workflows.ir import Fragment, iter_nodes
-        from span_workflows.scaleout.keys import QueryRoute
+        from span_workflows.keys import QueryRoute
 
         docs = [n.text for n in iter_nodes(node) if isinstance(n, Fragment)]
         return QueryRoute(tuple(SpanKey(d, 64) for d in docs), "", 64 * len(docs) + 40,

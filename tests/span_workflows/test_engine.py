@@ -58,10 +58,9 @@ def test_every_layout_hits_in_any_order_and_answers_like_a_fresh_engine(
 
 
 @pytest.fixture(scope="module")
-def reference(engine):
-    from span_workflows.apps.attention_reference import AttentionReference
-
-    return AttentionReference(engine.model_dir)
+def reference(engine, attention_reference):
+    assert attention_reference.model_dir == engine.model_dir  # the same weights
+    return attention_reference
 
 
 @pytest.mark.parametrize(("attend", "link_blocks"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from span_workflows.builders import rag
-from span_workflows.scaleout.keys import QueryKeyer
+from span_workflows.keys import QueryKeyer
 
 DOCS = [f"Document {i}: " + " ".join(f"word{i}x{j}" for j in range(60)) for i in range(4)]
 BS = 32

@@ -1,6 +1,8 @@
-"""A query's span keys, for routing: the compiler's token form, hashed by the engine's rules.
+"""A query's span keys: the compiler's token form, hashed by the engine's rules.
 
-:class:`QueryKeyer` normalizes a query as the server will (:meth:`Planner.normalize`),
+:class:`SpanKey` names one routable piece of span KV and its size; routers
+(:mod:`span_workflows.scaleout`) and the bulk scheduler (:mod:`span_workflows.bulk`) both
+read them. :class:`QueryKeyer` normalizes a query as the server will (:meth:`Planner.normalize`),
 compiles each of its G's (:meth:`Compiler.compile_generate`) and keys the blocks of every plus
 span with :func:`span_vllm.routing_block_keys` — the block hash chain the engine uses, so a
 span's keys name its tokens and its anchor (the ordered context before its plus), never its
@@ -13,6 +15,7 @@ no keys, and the query is routed by load alone.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +25,19 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.ir import MESSAGE_TYPES, Generate, Node, iter_nodes
 from span_workflows.layout import SpanOptions
 from span_workflows.optimize import optimize
+
+
+@dataclass(frozen=True, slots=True)
+class SpanKey:
+    """One routable piece of span KV: ``key`` names it (equal keys = the same KV), ``tokens``
+    is its size (> 0)."""
+
+    key: Hashable
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0:
+            raise ValueError(f"a span key holds a positive number of tokens, not {self.tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +60,19 @@ class QueryRoute:
 
 class QueryKeyer:
     """Span keys of queries for one tokenizer and KV block size (the replicas' block size:
-    keys at another size would name other blocks)."""
+    keys at another size would name other blocks). ``compiler``: the caller's own compiler of
+    that tokenizer and block size (an engine's), so a query is keyed by the very token form it
+    runs as; one is built when none is given."""
 
-    def __init__(self, tokenizer: Any, block_size: int, *, with_prompt: bool = False) -> None:
+    def __init__(self, tokenizer: Any, block_size: int, *, with_prompt: bool = False,
+                 compiler: Compiler | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
+        if compiler is not None and compiler.block_size != block_size:
+            raise ValueError(f"the compiler's block size {compiler.block_size} is not "
+                             f"{block_size}")
         self.tokenizer = tokenizer
-        self.compiler = Compiler.for_tokenizer(tokenizer, block_size)
+        self.compiler = compiler or Compiler.for_tokenizer(tokenizer, block_size)
         self.block_size = block_size
         self.with_prompt = with_prompt
 
@@ -59,8 +81,6 @@ class QueryKeyer:
               cache_salt: str | None = None) -> QueryRoute:
         """The :class:`QueryRoute` of a parsed query (never raises for a query the compiler
         refuses: that one gets no keys)."""
-        from span_workflows.scaleout.affinity import SpanKey
-
         try:
             tree = optimize(node) if optimize_query else node
         except (SpanQueryError, RecursionError):
@@ -95,4 +115,4 @@ class QueryKeyer:
         return out
 
 
-__all__ = ["QueryKeyer", "QueryRoute"]
+__all__ = ["QueryKeyer", "QueryRoute", "SpanKey"]
