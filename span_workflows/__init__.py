@@ -48,6 +48,7 @@ from span_workflows.ir import (
     User,
 )
 from span_workflows.json_ir import from_json, to_json
+from span_workflows.layout import SpanOptions
 from span_workflows.lint import CommutativityWarning, LintReport, lint
 from span_workflows.optimize import optimize
 from span_workflows.pretty import pretty
@@ -83,8 +84,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "Assistant", "BulkAnswer", "Chat", "CommutativityWarning", "Cross", "Engine", "Fragment",
     "Generate", "LintReport", "Map", "Metrics", "ModelNotAvailableError", "Node", "Plus",
-    "Prepare", "QueryBackend", "Repeat", "Result", "Retrieve", "Seq", "SpanQueryError",
-    "SpanServer", "System", "User", "agent_step", "assistant", "chat", "commutative", "cross",
-    "fragment", "from_json", "g", "judge_generator", "lint", "optimize", "plus", "pretty", "rag",
-    "repeat", "retrieve", "system", "to_json", "user",
+    "Prepare", "QueryBackend", "Repeat", "Result", "Retrieve", "Seq", "SpanOptions",
+    "SpanQueryError", "SpanServer", "System", "User", "agent_step", "assistant", "chat",
+    "commutative", "cross", "fragment", "from_json", "g", "judge_generator", "lint", "optimize",
+    "plus", "pretty", "rag", "repeat", "retrieve", "system", "to_json", "user",
 ]

@@ -65,7 +65,7 @@ PAD_CHOICES: tuple[str, ...] = ("after", "inside", "before")
 Align = Literal["recompute", "pad", "bias", "crop"]
 ALIGN_CHOICES: tuple[str, ...] = ("recompute", "pad", "bias", "crop")
 #: The alignment a query gets when nobody says (chosen by ``bench nested`` and ``bench needle``,
-#: see ``benchmarks/results/align.md``).
+#: see ``benchmarks/results/nested.md`` and ``needle.md``).
 DEFAULT_ALIGN: Align = "pad"
 
 

@@ -15,7 +15,7 @@ KV its spans are read from was computed under the same weights. In this order:
    span-ready adapter, with the span options it records for itself unless the query sets
    its own — a plus of one span too: a retriever that returns one document this time and
    several the next must find that document's KV under the same weights (and the adapter
-   answers better than the base in stock form as well, README "Quality");
+   answers better than the base in stock form as well, docs/guides/quality.md);
 5. everything else on the base.
 
 The plan runs unchanged; :func:`on_weights` stamps its requests and probes with the chosen

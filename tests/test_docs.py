@@ -1,0 +1,320 @@
+"""The documentation: README.md and the site that mkdocs.yml builds from docs/.
+
+* ``mkdocs build --strict`` succeeds into a temporary directory: no broken link or anchor, no
+  warning; the site has a page per ``benchmarks/results/*.json`` and per notebook.
+* Every ```python block of README.md and docs/**/*.md compiles. Each block is also *run*
+  unless it needs a model, a server or the network, decided from its text alone: a block is
+  not run when it contains one of :data:`NEEDS_BACKEND` (building or calling an engine, a
+  server, an HTTP client, a framework model or agent), or when its first line is the comment
+  ``# fragment`` (a piece of a program on purpose). Every other block runs, the blocks of one
+  file in order and in one namespace, and must not raise. ```json blocks must parse.
+* The README's relative links name files that exist (and headings, for anchors into docs/).
+* The facts the documentation states are checked against their sources: the GPU table
+  against the plugin's refusals, the repositioning range and the README's RAG table against
+  the committed results, the ``/metrics`` counters against ``span_vllm.contract.STAT_HELP``,
+  the extras against pyproject.toml, the layout against the directories, every
+  ``benchmarks/results/...`` path against the files there, and ``SpanOptions`` against the
+  package's exports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: A python block containing one of these needs a model, a server or the network: it is
+#: compiled, not run.
+NEEDS_BACKEND = (
+    "Engine(", "SpanServer(", "default_engine(", "serve(", ".execute(", ".execute_bulk(",
+    ".invoke(", ".stream(", ".query(", "OpenAI(", "ChatOpenAI(", "OpenAILike(",
+    "SpanChatModel(", "SpanLLM(", "SpanRetriever(", "FunctionAgent(", "create_react_agent(",
+    "run_bulk_on_ray(", "httpx.", "requests.",
+)
+#: The first line of a block that is a fragment on purpose (compiled, not run).
+FRAGMENT = "# fragment"
+FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*\n(?P<body>.*?)"
+                   r"^(?P=indent)```[ \t]*$", re.M | re.S)
+
+
+def _pages() -> list[Path]:
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
+
+def _blocks(path: Path, lang: str) -> list[tuple[int, str]]:
+    """The fenced blocks of ``lang`` in ``path``: (line of the fence, dedented text)."""
+    text = path.read_text(encoding="utf-8")
+    return [(text.count("\n", 0, m.start()) + 1, textwrap.dedent(m.group("body")))
+            for m in FENCE.finditer(text) if m.group("lang") == lang]
+
+
+def _runs(source: str) -> bool:
+    """Whether a python block is run (see the module docstring)."""
+    first = source.lstrip().splitlines()[0] if source.strip() else ""
+    return not first.startswith(FRAGMENT) and not any(s in source for s in NEEDS_BACKEND)
+
+
+def _name(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+# the site
+
+
+def test_the_site_builds_strict(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mkdocs", "build", "--strict", "--site-dir",
+         str(site)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = (done.stdout + done.stderr).splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    output = "\n".join(line for line in lines if not line.startswith("import time:"))
+    assert done.returncode == 0, output
+    assert not [line for line in output.splitlines() if "WARNING" in line], output
+    # the API reference is read from the sources (griffe), never imported: no vLLM, no torch
+    assert not {m for m in imported if m.split(".")[0] in {"vllm", "torch", "span_vllm"}}
+    assert any(m.startswith("mkdocstrings") for m in imported)
+    for result in RESULTS.glob("*.json"):
+        page = site / "benchmarks" / result.stem / "index.html"
+        assert page.is_file(), f"no page for {result.name}"
+        if (RESULTS / f"{result.stem}.png").exists():
+            assert (site / "benchmarks" / f"{result.stem}.png").is_file()
+            assert f'src="../{result.stem}.png"' in page.read_text(encoding="utf-8")
+    for notebook in (ROOT / "notebooks").glob("*.ipynb"):
+        assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
+    for module, name in (("span_workflows", "span_workflows.SpanOptions"),
+                         ("engine", "span_workflows.engine.Engine"),
+                         ("routing", "span_workflows.routing.WeightsRouter"),
+                         ("builders", "span_workflows.builders.rag")):
+        page = (site / "reference" / module / "index.html").read_text(encoding="utf-8")
+        assert f'id="{name}"' in page, f"API reference: no {name}"
+
+
+def test_a_results_row_becomes_a_table_row() -> None:
+    sys.path.insert(0, str(DOCS / "hooks"))
+    try:
+        import site_pages
+    finally:
+        sys.path.pop(0)
+    lines = site_pages.render_json([{"n": 1, "ratio": 0.68760, "ok": True, "model": "m"},
+                                    {"n": 16, "ratio": 0.50608, "ok": False, "model": "m"}])
+    assert lines[0] == "Every row: model = m"
+    assert lines[2:6] == ["| n | ratio | ok |", "|---|---|---|", "| 1 | 0.6876 | yes |",
+                          "| 16 | 0.5061 | no |"]
+    first = json.loads((RESULTS / "reposition.json").read_text())[0]
+    page = site_pages.benchmark_page(RESULTS / "reposition.json")
+    assert "| " + " | ".join(site_pages.cell(v) for v in first.values()) + " |" in page
+    assert "![reposition](reposition.png)" in page
+
+
+# code blocks
+
+
+def test_python_blocks_compile_and_the_runnable_ones_run() -> None:
+    ran, compiled = [], 0
+    for path in _pages():
+        namespace: dict[str, object] = {"__name__": f"docs_{path.stem.replace('-', '_')}"}
+        for line, source in _blocks(path, "python"):
+            code = compile(source, _name(path, line), "exec")
+            compiled += 1
+            if _runs(source):
+                with warnings.catch_warnings(record=True):  # e.g. the CommutativityWarning shown
+                    exec(code, namespace)  # the documentation's own example
+                ran.append(_name(path, line))
+    assert compiled >= 15 and len(ran) >= 6, (compiled, ran)
+
+
+def test_the_run_rule() -> None:
+    assert not _runs("engine = Engine()\n")
+    assert not _runs("# fragment: names defined elsewhere\nprint(docs)\n")
+    assert not _runs("with SpanServer(url) as s:\n    s.execute(q)\n")
+    assert _runs("from span_workflows import rag\nrag('S', ['a'], 'q')\n")
+
+
+def test_json_blocks_parse() -> None:
+    from span_workflows import from_json
+
+    blocks = [(path, line, src) for path in _pages() for line, src in _blocks(path, "json")]
+    assert blocks
+    for path, line, source in blocks:
+        try:
+            value = json.loads(source)
+        except json.JSONDecodeError as error:
+            raise AssertionError(f"{_name(path, line)}: {error}") from None
+        if isinstance(value, dict) and "g" in value:  # a query in the JSON IR
+            from_json(source)
+
+
+def test_span_options_is_exported_and_every_example_imports_it() -> None:
+    import span_workflows
+    from span_workflows import SpanOptions
+    from span_workflows.layout import SpanOptions as defined
+
+    assert SpanOptions is defined and "SpanOptions" in span_workflows.__all__
+    for path in _pages():
+        imported = False
+        for line, source in _blocks(path, "python"):
+            imported |= bool(re.search(r"^from span_workflows import .*\bSpanOptions\b", source,
+                                       re.M))
+            if "SpanOptions(" in source or "SpanOptions." in source:
+                assert imported, f"{_name(path, line)} uses SpanOptions without importing it"
+
+
+# links
+
+
+def test_readme_links_resolve() -> None:
+    from markdown.extensions.toc import slugify
+
+    text = README.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if re.match(r"[a-z]+:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        path = ROOT / target if target else README
+        assert path.exists(), f"README links to {link}: no such file"
+        if anchor and path.suffix == ".md":
+            headings = re.findall(r"^#{1,6} (.+)$", path.read_text(encoding="utf-8"), re.M)
+            slugs = {slugify(re.sub(r"[`*]", "", h).strip(), "-") for h in headings}
+            assert anchor in slugs, f"README links to {link}: no such heading"
+
+
+def test_benchmark_result_paths_exist() -> None:
+    sources = [README, ROOT / "benchmarks" / "README.md", *DOCS.rglob("*.md"),
+               *(ROOT / "span_workflows").rglob("*.py")]
+    for source in sources:
+        for mention in re.findall(r"benchmarks/results/([\w.{},-]+)",
+                                  source.read_text(encoding="utf-8")):
+            mention = mention.rstrip(".,")
+            braces = re.fullmatch(r"([\w-]+)\.\{([\w,]+)\}", mention)
+            names = ([f"{braces.group(1)}.{ext}" for ext in braces.group(2).split(",")]
+                     if braces else [mention])
+            for name in names:
+                assert (RESULTS / name).is_file(), f"{source.relative_to(ROOT)} cites {name}"
+
+
+# facts, each against its source
+
+
+def _page(name: str) -> str:
+    return (DOCS / "guides" / name).read_text(encoding="utf-8")
+
+
+def test_data_parallelism_is_documented_as_refused() -> None:
+    support = (ROOT / "server" / "span_vllm" / "support.py").read_text(encoding="utf-8")
+    assert "data parallelism (--data-parallel-size" in support  # the plugin refuses it
+    row = next(line for line in _page("gpu.md").splitlines() if line.startswith("| engine |"))
+    _, supported, refused = (cell.strip() for cell in row.strip().strip("|").split("|"))
+    assert "data" not in supported and "data parallelism" in refused
+
+
+def test_the_repositioning_range_is_the_committed_one() -> None:
+    ratios = [row["ratio_to_copy"] for row in json.loads((RESULTS / "reposition.json").read_text())]
+    low, high = min(ratios), max(ratios)
+    assert f"{low * 100:.0f}–{high * 100:.0f} % of the throughput" in _page("plugin.md")
+    assert f"{low:.2f}–{high:.2f} of plain-copy" in README.read_text(encoding="utf-8")
+    for path in _pages():
+        assert "34–72" not in path.read_text(encoding="utf-8"), path
+
+
+def test_the_metrics_counters_are_the_exported_ones() -> None:
+    from span_vllm.contract import STAT_HELP
+
+    exported = {f"span_{name}_total" for name in STAT_HELP}
+    listed = set(re.findall(r"`(span_\w+_total)`", _page("serving.md")))
+    assert listed == exported
+    for path in _pages():
+        named = set(re.findall(r"\bspan_\w+_total\b", path.read_text(encoding="utf-8")))
+        assert named <= exported, (path, named - exported)
+
+
+def _pyproject() -> tuple[str, list[str]]:
+    """pyproject.toml's ``requires-python`` and the names of its extras (read without tomllib,
+    which Python 3.10 lacks)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    requires = re.search(r'^requires-python = "([^"]+)"', text, re.M)
+    extras = text.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    assert requires
+    return requires.group(1), re.findall(r"^([\w-]+) = ", extras, re.M)
+
+
+def test_python_version_and_extras_match_pyproject() -> None:
+    requires, extras = _pyproject()
+    assert requires == ">=3.10" and {"cpu", "gpu", "docs", "scaleout"} <= set(extras)
+    readme = README.read_text(encoding="utf-8")
+    install = (DOCS / "install.md").read_text(encoding="utf-8")
+    for text in (readme, install):
+        assert "Python 3.10 or newer" in text and "3.11" in text
+    assert "python3.11" in (ROOT / "Makefile").read_text()
+    for extra in extras:
+        assert f"`[{extra}]`" in readme, f"README: extra [{extra}] missing"
+        assert f"`[{extra}]`" in install, f"docs/install.md: extra [{extra}] missing"
+    for path in _pages():
+        assert 'pip install "ray[' not in path.read_text(encoding="utf-8"), path
+
+
+def _tracked_dirs(base: Path) -> set[str]:
+    """The directories directly under ``base`` that hold files git tracks or would track."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "-z", str(base.relative_to(ROOT)) if base != ROOT else "."],
+                            cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    below = [Path(p).relative_to(base.relative_to(ROOT)) for p in listed.split("\0") if p]
+    return {p.parts[0] for p in below if len(p.parts) > 1 and not p.parts[0].startswith(".")}
+
+
+def test_the_layout_lists_every_directory() -> None:
+    layout = re.search(r"## The repository\n\n```text\n(.*?)```",
+                       (DOCS / "install.md").read_text(encoding="utf-8"), re.S)
+    assert layout, "docs/install.md has no layout block"
+    listed = set(re.findall(r"^(\S+/)", layout.group(1), re.M))
+    for name in _tracked_dirs(ROOT):
+        assert f"{name}/" in listed, f"layout misses {name}/"
+    for name in _tracked_dirs(ROOT / "span_workflows") - {"__pycache__"}:
+        assert f"span_workflows/{name}/" in listed, f"layout misses span_workflows/{name}/"
+
+
+def _printed(text: str) -> tuple[float, float]:
+    """A printed number and half a unit of its last digit."""
+    number = re.search(r"\d+(?:\.\d+)?", text)
+    assert number, text
+    digits = number.group().partition(".")[2]
+    return float(number.group()), 0.5 * 10.0 ** -len(digits)
+
+
+def test_the_readme_rag_table_is_the_committed_one() -> None:
+    rows = {row["n_docs"]: row for row in json.loads((RESULTS / "rag.json").read_text())}
+    columns = ("ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
+               "ttft_span_new_combination_s", "speedup_hit", "speedup_new_combination")
+    table = [line for line in README.read_text(encoding="utf-8").splitlines()
+             if re.match(r"\| \d+ \| [\d.]+ s \|", line)]
+    assert len(table) >= 3
+    for line in table:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        row = rows[int(cells[0])]
+        for cell, column in zip(cells[1:], columns, strict=True):
+            value, tolerance = _printed(cell)
+            assert abs(value - row[column]) <= tolerance + 1e-9, (line, column, row[column])
+        for cell, column in ((cells[3], "steps_hit"), (cells[4], "steps_new_combination")):
+            assert cell.endswith(f"({row[column]})"), (line, column)
+
+
+def test_the_readme_is_short_and_keeps_the_quickstart() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    quickstart = text.split("## Quickstart", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert [line.split()[:2] for line in quickstart.splitlines()] == [["make", "demo"],
+                                                                    ["make", "test"]]
+
