@@ -86,8 +86,8 @@ def tokenizer():
 @pytest.fixture(scope="session")
 def attention_reference():
     """The Hugging Face model of the default weights with span attention masks
-    (:class:`~span_workflows.apps.attention_reference.AttentionReference`), loaded once."""
-    from span_workflows.apps.attention_reference import AttentionReference
+    (:class:`attention_reference.AttentionReference`, the tests' own), loaded once."""
+    from attention_reference import AttentionReference
 
     return AttentionReference()
 

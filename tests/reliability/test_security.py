@@ -1,7 +1,7 @@
 """Security: loopback by default, an API key, caps on body size and tree depth, and no user
 input ever evaluated as code. Live-server checks of the same properties run in test_load.py
 (the load server requires an API key, bad and unauthenticated requests are mixed into the load,
-it listens on 127.0.0.1 only) and tests/server/test_server.py."""
+it listens on 127.0.0.1 only) and tests/span_workflows/serving/test_server.py."""
 
 from __future__ import annotations
 

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 import torch
-
-from span_workflows import optimize, rag
-from span_workflows.apps.attention_reference import (
+from attention_reference import (
     AttentionReference,
     ReferenceOutput,
     base_allowed,
     build_plan,
     plus_groups,
 )
+
+from span_workflows import optimize, rag
 from span_workflows.compile import Compiler, Span, TokenizedQuery
 from span_workflows.layout import SpanOptions
 
@@ -344,7 +344,7 @@ def test_prefix_mode_without_moves_equals_the_final_position_pattern(
 def test_rotating_keys_equals_computing_them_at_the_new_position(ref: AttentionReference,
                                                                  compiler: Compiler) -> None:
     """The reference's key rotation (the model's own rotary embedding) moves keys exactly."""
-    from span_workflows.apps.attention_reference import _SplicedCache
+    from attention_reference import _SplicedCache
 
     tq = _query(compiler, DOCS[:1])
     ids = tq.token_ids[:20]
