@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from span_workflows.apps.corpus import documents
+from span_workflows.apps.provenance import stamp
 from span_workflows.apps.report import plot, print_table
 from span_workflows.builders import g, rag, user
 
@@ -251,7 +252,8 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         args.hay_chars = args.hay_chars or [10, 100, 1000]
         return run_nested(args) if name == "nested" else run_needle(args)
     if name == "reposition":
-        rows = bench_reposition(args.blocks, max(args.reps, 21))  # cheap: a steadier median
+        rows = stamp(bench_reposition(args.blocks, max(args.reps, 21)),  # cheap: steadier
+                     reps=max(args.reps, 21))
         x, ys, label = "blocks", ["rotate_tokens_per_ms", "copy_tokens_per_ms"], "tokens / ms"
     else:
         from span_workflows.engine import Engine
@@ -264,7 +266,8 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
                                    "ttft_span_new_combination_s", "ttft_floor_s"]
                 label = "TTFT (s)"
             else:
-                rows = bench_compile(engine, args.docs, args.doc_tokens, args.reps)
+                rows = stamp(bench_compile(engine, args.docs, args.doc_tokens, args.reps),
+                             engine, reps=args.reps)
                 x, ys, label = "n_docs", ["compile_s", "ttft_span_hit_s"], "seconds"
         finally:
             engine.close()
@@ -274,7 +277,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         hashing = bench_hashing(reps=args.reps)
         print()
         print_table(hashing)
-        written = {"compile": rows, "hashing": hashing}
+        written = {"compile": rows, "hashing": stamp(hashing, reps=args.reps)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(written, indent=2) + "\n")

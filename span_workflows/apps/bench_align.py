@@ -335,7 +335,7 @@ def run_needle(args: Any) -> int:
     finally:
         engine.close()
     print_table(rows)
-    _write(args, rows, needle_markdown(rows))
+    _write(args, rows, needle_markdown(rows), engine, args.trials or 8)
     if args.plot:
         nested = json.loads(args.nested_json.read_text()) if args.nested_json else []
         plot_align(nested, rows, args.plot)
@@ -354,18 +354,21 @@ def run_nested(args: Any) -> int:
     finally:
         engine.close()
     print_table(rows)
-    _write(args, rows, nested_markdown(rows))
+    _write(args, rows, nested_markdown(rows), engine, args.reps)
     if args.plot:
         plot_align(rows, [], args.plot)
     return 0
 
 
-def _write(args: Any, rows: list[dict[str, Any]], markdown: str) -> None:
+def _write(args: Any, rows: list[dict[str, Any]], markdown: str, engine: Any,
+           reps: int) -> None:
     import json
+
+    from span_workflows.apps.provenance import stamp
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        args.json.write_text(json.dumps(stamp(rows, engine, reps=reps), indent=2) + "\n")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown)

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.provenance import stamp
 from span_workflows.apps.report import save_figure
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -444,6 +445,9 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
             ray.shutdown()
     rows.sort(key=lambda r: (r["doc_tokens"], -r["working_set_over_cache"], r["engines"],
                              SCHEDULES.index(r["schedule"])))
+    from span_workflows.model import DEFAULT_MODEL_NAME
+
+    rows = [{**r, "model": args.model or DEFAULT_MODEL_NAME} for r in stamp(rows)]
     print_table(rows)
     if not args.no_write:
         out: Path = args.out

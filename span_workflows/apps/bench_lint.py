@@ -257,7 +257,10 @@ def run_lint_bench(args: Any) -> int:
     command = f"span-workflows bench lint --trials {trials}"
     if args.answers:
         command += f" --answers {args.answers}"
-    result = {"settings": {"command": command, "model": model, "trials": trials,
+    from span_workflows.apps.provenance import provenance
+
+    result = {"provenance": provenance(engine, reps=trials),
+              "settings": {"command": command, "model": model, "trials": trials,
                            "answer_tokens": DEFAULT_ANSWER_TOKENS, "margin": DEFAULT_MARGIN,
                            "kl_factor": KL_FACTOR, "kl_min": KL_MIN, "seed": args.seed},
               "summary": summary(rows), "cases": rows}

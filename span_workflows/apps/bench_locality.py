@@ -387,8 +387,11 @@ def run_locality(args: Any) -> int:
         engine.close()
     print_table([{k: v for k, v in r.items() if "prompt_tokens" not in k} for r in rows])
     if args.json:
+        from span_workflows.apps.provenance import stamp
+
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        args.json.write_text(json.dumps(stamp(rows, engine, reps=args.trials or 8), indent=2)
+                             + "\n")
     if args.markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown_report(rows, args.copy_tokens))

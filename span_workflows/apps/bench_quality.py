@@ -508,6 +508,9 @@ def run_quality(args: Any) -> int:
             lambda: perplexity(engine_dir, heldout_passages(args.perplexity)))
         for row in rows:
             row["perplexity"] = value
+    from span_workflows.apps.provenance import stamp
+
+    rows = stamp(rows, engine, reps=args.reps)  # this run's rows; merged ones keep theirs
     if args.merge_json and args.merge_json.exists():  # rows of other runs, kept
         rows = merge_rows(json.loads(args.merge_json.read_text()), rows)
     print_table(rows)

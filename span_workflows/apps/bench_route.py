@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from span_workflows.apps.provenance import stamp
 from span_workflows.apps.report import print_table, save_figure
 from span_workflows.scaleout.affinity import AffinityOptions
 from span_workflows.scaleout.simulate import (
@@ -194,6 +195,7 @@ def run_route(argv: Sequence[str]) -> int:
                          imbalance_threshold=args.imbalance_threshold, seed=args.seed,
                          concurrency=args.concurrency)
     print_table([{k: r[k] for k in FIELDS} for r in rows])
+    rows = stamp(rows)  # this run's rows (a simulation, or servers this bench started)
     if not args.no_write:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)

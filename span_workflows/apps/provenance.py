@@ -69,3 +69,11 @@ def provenance(engine: Any = None, *, reps: int | None = None) -> dict[str, Any]
         fields["adapters"] = {name: adapter.digest
                               for name, adapter in engine.router.adapters.items()}
     return fields
+
+
+def stamp(rows: list[dict[str, Any]], engine: Any = None, *,
+          reps: int | None = None) -> list[dict[str, Any]]:
+    """``rows`` with :func:`provenance` added to each (a row's own ``reps`` is kept: some
+    benches repeat cells differently)."""
+    fields = provenance(engine, reps=reps)
+    return [{**fields, **row} for row in rows]

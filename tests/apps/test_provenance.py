@@ -28,3 +28,11 @@ def test_printed_tables_leave_provenance_to_the_json() -> None:
     print_table([{"n_docs": 1, **provenance(reps=2)}], lines.append)
     assert "n_docs" in lines[0] and "reps" in lines[0]
     assert not any(field in lines[0] for field in QUIET_FIELDS)
+
+
+def test_stamp_adds_provenance_and_keeps_a_rows_own_reps() -> None:
+    from span_workflows.apps.provenance import stamp
+
+    rows = stamp([{"n_docs": 1}, {"n_docs": 2, "reps": 1}], reps=3)
+    assert [r["reps"] for r in rows] == [3, 1]
+    assert all(r["commit"] == commit() and r["machine"] == machine() for r in rows)
