@@ -25,10 +25,11 @@ def table(report: dict) -> str:
     lines = [f"{len(seconds)} tests, {total / 60:.1f} min of test time, "
              f"**{report['startups']} vLLM start-ups** (budget {report['budget']}).", "",
              "| test | seconds | vLLM start-ups |", "|---|---|---|"]
-    for nodeid, s in sorted(seconds.items(), key=lambda kv: -kv[1])[:ROWS]:
+    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:ROWS]
+    for nodeid, s in slowest:
         lines.append(f"| `{nodeid}` | {s:.1f} | {starts.get(nodeid, 0) or ''} |")
-    others = {n: k for n, k in starts.items()
-              if n not in dict(sorted(seconds.items(), key=lambda kv: -kv[1])[:ROWS])}
+    shown = {nodeid for nodeid, _ in slowest}
+    others = {n: k for n, k in starts.items() if n not in shown}
     if others:
         lines += ["", "Other tests that started vLLM: " + ", ".join(
             f"`{n}` ({k})" for n, k in sorted(others.items()))]

@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-from serving_fixtures import signed_in
 from shared_server import API_KEY
 
 from span_workflows.fragments import lift_messages
@@ -51,17 +50,6 @@ QUESTION_2 = "How far away can the Varnholm light be seen?"
 QUESTION_LONG = "Tell me about the Varnholm lighthouse and its keepers."
 #: Least share of the second question's document tokens that must come from the cache.
 MIN_DOC_CACHED = 0.8
-
-
-@pytest.fixture(scope="module")
-def server(shared_server) -> str:
-    return shared_server.url
-
-
-@pytest.fixture(scope="module")
-def http(server: str):
-    with signed_in(server, API_KEY) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import json
 
 import httpx
 import pytest
-from serving_fixtures import signed_in
 from shared_server import API_KEY
 
 from span_workflows.builders import g, judge_generator, rag, user
@@ -29,17 +28,6 @@ QUESTION = "In which city is the Eiffel Tower?"
 
 def _rag(docs: list[str]) -> dict:
     return to_obj(rag("Answer in one sentence.", docs, QUESTION, max_tokens=20))
-
-
-@pytest.fixture(scope="module")
-def server(shared_server) -> str:
-    return shared_server.url
-
-
-@pytest.fixture(scope="module")
-def http(server: str):
-    with signed_in(server, API_KEY) as client:
-        yield client
 
 
 def _execute(http: httpx.Client, query: object) -> dict:

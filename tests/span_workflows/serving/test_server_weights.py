@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serving_fixtures import signed_in
 from shared_server import API_KEY
 
 from span_workflows.builders import chat, rag
@@ -19,12 +18,6 @@ DOCS = ["The lighthouse at Varn was built by Ilse Marr in 1871.",
         "The Varn ferry leaves at seven and returns at noon.",
         "Varn's harbour is guarded by a red lighthouse and a stone pier."]
 SYSTEM = "Answer in one sentence from the documents."
-
-
-@pytest.fixture(scope="module")
-def http(shared_server):
-    with signed_in(shared_server.url, API_KEY) as client:
-        yield client
 
 
 def test_models_lists_the_base_and_the_adapter(http: httpx.Client) -> None:
