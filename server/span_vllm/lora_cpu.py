@@ -43,14 +43,13 @@ def grouped_lora_matmul(inputs: torch.Tensor, weights: torch.Tensor,
     inputs = inputs.to(dtype)
     rows = inputs.shape[0]
     indices = indices[:rows]
-    present = torch.unique(indices).tolist()
-    if len(present) == 1 and present[0] >= 0 and indices.shape[0] == rows:
-        return inputs @ weights[present[0]].to(dtype).t()
+    groups = token_groups(indices)
+    if indices.shape[0] == rows and len(groups) == 1 and groups[0][1] is None:
+        return inputs @ weights[groups[0][0]].to(dtype).t()
     out = inputs.new_zeros((rows, weights.shape[1]))
-    for slot in present:
-        if slot < 0:
-            continue
-        where = (indices == slot).nonzero().squeeze(1)
+    for slot, where in groups:
+        if where is None:  # every listed token has this slot (fewer indices than rows)
+            where = torch.arange(indices.shape[0])
         out[where] = inputs[where] @ weights[slot].to(dtype).t()
     return out
 

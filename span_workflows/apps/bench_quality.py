@@ -128,16 +128,7 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
     for chunk in _chunks(questions, batch):
         queries = [rag(SYSTEM, q.documents, q.question, max_tokens=MAX_TOKENS, temperature=0.0)
                    for q in chunk]
-        if variant.routed:  # the router picks the weights and their options
-            results = engine.execute_many(queries, logprobs=TOP_LOGPROBS)
-            texts += [r.text for r in results]
-            first += [r.first_logprobs for r in results]
-        elif variant.options is None:
-            results = engine.execute_many(queries, span_mode=False, logprobs=TOP_LOGPROBS,
-                                          weights=weights)
-            texts += [r.text for r in results]
-            first += [r.first_logprobs for r in results]
-        elif variant.layout_only:
+        if variant.layout_only:
             prompts = [engine.compile(q, span_options=variant.options).token_ids
                        for q in queries]
             outs = engine.complete_many(prompts, max_tokens=MAX_TOKENS,
@@ -145,8 +136,13 @@ def answer(engine: Any, variant: Variant, questions: Sequence[Question], batch: 
             texts += [o.texts[0] for o in outs]
             first += [o.first_logprobs for o in outs]
         else:
-            results = engine.execute_many(queries, logprobs=TOP_LOGPROBS,
-                                          span_options=variant.options, weights=weights)
+            if variant.routed:  # the router picks the weights and their options
+                run: dict[str, Any] = {}
+            elif variant.options is None:
+                run = {"span_mode": False, "weights": weights}
+            else:
+                run = {"span_options": variant.options, "weights": weights}
+            results = engine.execute_many(queries, logprobs=TOP_LOGPROBS, **run)
             texts += [r.text for r in results]
             first += [r.first_logprobs for r in results]
         if progress is not None:
