@@ -174,6 +174,26 @@ def test_the_library_and_integrations_never_import_the_apps() -> None:
         assert not apps, f"{name} imports {apps}"
 
 
+#: The applications' rooms, lowest first: the demo (and its corpus) serves the benchmarks,
+#: and the command line drives both; no room imports one above it.
+APP_ROOMS = ("demo", "bench", "cli")
+
+
+def _room(name: str) -> int:
+    parts = name.split(".")
+    assert len(parts) > 3 and parts[2] in APP_ROOMS, f"{name} stands in no room of apps/"
+    return APP_ROOMS.index(parts[2])
+
+
+def test_the_apps_rooms_import_only_downward() -> None:
+    for name, path in MODULES.items():
+        if not name.startswith("span_workflows.apps.") or name.count(".") < 3:
+            continue
+        for imported in _imported(path, name):
+            if imported.startswith("span_workflows.apps.") and imported.count(".") >= 3:
+                assert _room(imported) <= _room(name), f"{name} imports {imported}"
+
+
 def _loaded_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,7 +1,7 @@
 """Training data for making a model span-ready: invented-fact RAG examples of its own.
 
-The benchmark's question set (:mod:`span_workflows.apps.qa_set`) stays held out: these examples
-share its *task* (answer a question from retrieved documents) and nothing else —
+The benchmark's question set (:mod:`span_workflows.apps.bench.qa_set`) stays held out: these
+examples share its *task* (answer a question from retrieved documents) and nothing else —
 
 * **entity kinds**: mills, libraries, schools, gardens, theatres, mines, canals, chapels,
   breweries and ferries (the benchmark has lighthouses, workshops, ships, festivals,

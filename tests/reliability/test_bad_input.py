@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from span_vllm import contract
-from span_workflows.apps.cli import main as cli_main
+from span_workflows.apps.cli.main import main as cli_main
 from span_workflows.compile import Compiler
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Generate, Plus, User
@@ -174,7 +174,7 @@ def test_cli_exits_2_with_one_line(body, path, needle, tmp_path: Path, capsys) -
 def test_cli_process_on_a_5000_level_tree_prints_one_line(tmp_path: Path) -> None:
     query = tmp_path / "deep.json"
     query.write_text(_deep_g_json(DEEP))
-    done = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", "run", str(query)],
+    done = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli.main", "run", str(query)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr

@@ -36,7 +36,7 @@ def test_server_binds_loopback_unless_told_otherwise() -> None:
     assert make_parser().parse_args(["--model", "m", "--host", "0.0.0.0"]).host == "0.0.0.0"
     cmd = server_command()
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    from span_workflows.apps.cli import _parser
+    from span_workflows.apps.cli.main import _parser
 
     assert _parser().parse_args(["serve"]).host == "127.0.0.1"
     assert inspect.signature(launch.serve).parameters["host"].default == "127.0.0.1"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from span_workflows.apps.bulk_run import run_bulk_file
+from span_workflows.apps.cli.bulk_run import run_bulk_file
 from span_workflows.builders import rag, user
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Plus

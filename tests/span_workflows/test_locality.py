@@ -173,7 +173,7 @@ def test_bad_fanin(bad):
 
 
 def test_bench_scoring_and_intervals():
-    from span_workflows.apps.bench_locality import exact_match, token_f1, wilson
+    from span_workflows.apps.bench.locality import exact_match, token_f1, wilson
 
     assert exact_match(" Marigold.", "Marigold")
     # a restatement of the question before the name is dropped, anything else counts
@@ -192,7 +192,7 @@ def test_bench_scoring_and_intervals():
 def test_bench_trials_place_one_needle():
     import random
 
-    from span_workflows.apps.bench_locality import NEUTRAL, make_trial, passage
+    from span_workflows.apps.bench.locality import NEUTRAL, make_trial, passage
 
     text = passage(random.Random(1), 400, "NEEDLE.", "end")
     assert text.endswith("NEEDLE.") and 400 <= len(text) < 520

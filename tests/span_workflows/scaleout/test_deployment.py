@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from span_workflows.apps import cli
+from span_workflows.apps.cli import main as cli
 from span_workflows.scaleout.deployment import ClusterOptions, app_from_args, relabel_metrics
 
 

@@ -32,7 +32,7 @@ def replicas(tmp_path_factory):
     env = {"RAY_memory_monitor_refresh_ms": "0", **os.environ}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "span_workflows.apps.cli", "serve", "--replicas", "2",
+            [sys.executable, "-m", "span_workflows.apps.cli.main", "serve", "--replicas", "2",
              "--kv-cache-gib", "1", "--num-cpus", "0.5", "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, env=env)

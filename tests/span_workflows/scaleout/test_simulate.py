@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from span_workflows.apps.bench_route import run_route
+from span_workflows.apps.bench.route import run_route
 from span_workflows.scaleout.affinity import AffinityOptions, SpanKey
 from span_workflows.scaleout.simulate import (
     ROUTERS,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from span_workflows.apps import cli
+from span_workflows.apps.cli import main as cli
 from span_workflows.errors import ModelNotAvailableError
 from span_workflows.serving import launch as serve_module
 from span_workflows.serving.launch import model_reference, server_command, server_env

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 import re
 
-from span_workflows.apps import bench_quality, qa_set
+from span_workflows.apps.bench import qa_set
+from span_workflows.apps.bench import quality as bench_quality
 from span_workflows.tune import data
 
 
@@ -62,7 +63,7 @@ def test_plain_passages_are_prose_and_never_standard_library_documentation() -> 
     passages = data.plain_passages(20)
     assert len(passages) == 20
     assert all(100 <= len(p.split()) <= 160 for p in passages)
-    from span_workflows.apps.corpus import stdlib_passages
+    from span_workflows.apps.demo.corpus import stdlib_passages
 
     stdlib = {p.text[:60] for p in stdlib_passages(["json", "pathlib"])}
     assert not any(p[:60] in stdlib for p in passages)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from span_workflows.apps.cli import main
+from span_workflows.apps.cli.main import main
 from span_workflows.tune.train import ExampleStream, TuneConfig, item_loss, load_base
 
 pytestmark = pytest.mark.engine
@@ -85,7 +85,7 @@ def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, 
                                                  {"plus": docs},
                                                  {"user": "When was the mill built?"}],
                                        "max_tokens": 4, "temperature": 0.0}}))
-    run = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", "run", str(query),
+    run = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli.main", "run", str(query),
                           "--model", str(merged), "--json"], capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -1,7 +1,7 @@
 """``span-workflows bench quality``: answer quality of every span mode next to stock vLLM.
 
 One run, one engine, one model, the same questions: invented-fact RAG questions
-(:mod:`span_workflows.apps.qa_set`), each over ``n_docs`` documents in random order of which
+(:mod:`span_workflows.apps.bench.qa_set`), each over ``n_docs`` documents in random order of which
 exactly one holds the answer, answered greedily, at two document sizes (``short``: one
 paragraph, 65–85 tokens; ``long``: 256–512 tokens, what a RAG chunker returns). For each
 *variant*, document size and document count a row:
@@ -14,7 +14,7 @@ paragraph, 65–85 tokens; ``long``: 256–512 tokens, what a RAG chunker return
   stock's (top-20 log-probabilities; tokens missing from a top-20 get its smallest value);
   ``kl_vs_layout`` — the same against full attention over the variant's own token layout;
 * ``perplexity`` (with ``--perplexity N``) — the model's perplexity on N held-out passages of
-  standard-library documentation (:mod:`span_workflows.apps.perplexity`), the same for every
+  standard-library documentation (:mod:`span_workflows.apps.bench.perplexity`), the same for every
   row of one model: what fine-tuning cost outside RAG;
 * ``ttft_hit_s`` / ``speedup_hit`` / ``steps_hit`` — TTFT and engine steps of a span-cache hit
   at 16 documents × 440 tokens of a *new combination* of cached documents (each cached by an
@@ -39,14 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.qa_set import (
+from span_workflows.apps.bench.qa_set import (
     DOC_SIZES,
     QUESTION_KINDS,
     Question,
     is_correct,
     make_questions,
 )
-from span_workflows.apps.report import save_figure, wilson
+from span_workflows.apps.bench.report import save_figure, wilson
 from span_workflows.builders import rag
 from span_workflows.layout import SpanOptions
 from span_workflows.logprobs import kl_top, mean_kl
@@ -292,7 +292,7 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     the ``…_own`` ones (the hit at 16 × 440 tokens only)."""
     from tqdm.auto import tqdm
 
-    from span_workflows.apps.corpus import documents
+    from span_workflows.apps.demo.corpus import documents
 
     for size in sizes:
         if size not in DOC_SIZES:
@@ -475,7 +475,7 @@ def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
 
 def run_quality(args: Any) -> int:
     """``span-workflows bench quality``: run, print the table, write what was asked for."""
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
     from span_workflows.engine import Engine
 
     names = list(args.variants or DEFAULT_VARIANTS)
@@ -497,14 +497,14 @@ def run_quality(args: Any) -> int:
     finally:
         engine.close()
     if args.perplexity > 0:  # did tuning make the model forget plain text?
-        from span_workflows.apps.perplexity import heldout_passages, perplexity
+        from span_workflows.apps.bench.perplexity import heldout_passages, perplexity
 
         value = store.measured(
             store.perplexity_key(args.perplexity, Path(str(engine_dir)).name),
             lambda: perplexity(engine_dir, heldout_passages(args.perplexity)))
         for row in rows:
             row["perplexity"] = value
-    from span_workflows.apps.provenance import stamp
+    from span_workflows.apps.bench.provenance import stamp
 
     rows = stamp(rows, engine, reps=args.reps)  # this run's rows; merged ones keep theirs
     if args.merge_json and args.merge_json.exists():  # rows of other runs, kept

@@ -14,7 +14,7 @@ from span_workflows import to_json
 from span_workflows.builders import fragment, g, system, user
 from span_workflows.ir import Plus
 
-CLI = [sys.executable, "-m", "span_workflows.apps.cli"]
+CLI = [sys.executable, "-m", "span_workflows.apps.cli.main"]
 STEPS = ["Step 1: Preheat the oven to 200 °C.", "Step 2: Put the dough in a tin.",
          "Step 3: Bake for forty minutes."]
 DOCS = ["The Gull Rock lighthouse was built in 1871 and is painted red and white.",
@@ -81,7 +81,7 @@ def test_bad_json_and_a_missing_file_exit_2(tmp_path: Path) -> None:
 def test_trials_run_the_order_check_on_the_engine(files, engine, monkeypatch, capsys) -> None:
     """In this process, on the session's engine (a second vLLM engine cannot start here): the
     command's own code from the options to the JSON."""
-    from span_workflows.apps.cli import main
+    from span_workflows.apps.cli.main import main
 
     class SessionEngine:
         """What ``lint --trials`` starts, answered by the session's engine."""

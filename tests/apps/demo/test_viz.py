@@ -6,7 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from span_workflows.apps.viz import draw_tree, show_token_form, tree_layout  # noqa: E402
+from span_workflows.apps.demo.viz import draw_tree, show_token_form, tree_layout  # noqa: E402
 from span_workflows.builders import judge_generator, rag  # noqa: E402
 from span_workflows.ir import iter_nodes  # noqa: E402
 from span_workflows.optimize import optimize  # noqa: E402

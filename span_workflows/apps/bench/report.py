@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.provenance import QUIET_FIELDS
+from span_workflows.apps.bench.provenance import QUIET_FIELDS
 
 
 def print_table(rows: list[dict[str, Any]], console: Callable[[str], None] = print) -> None:

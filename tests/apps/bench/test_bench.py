@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from span_workflows.apps import bench
+from span_workflows.apps.bench import run as bench
 
 RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
             "ttft_span_new_combination_s", "ttft_floor_s", "speedup_hit",
@@ -39,7 +39,7 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
 
 @pytest.mark.engine
 def test_nested_and_compile_benches_run(engine) -> None:
-    from span_workflows.apps.bench_align import bench_nested_align, nested_markdown
+    from span_workflows.apps.bench.align import bench_nested_align, nested_markdown
 
     # drafts longer than one block (their prompts take 22 tokens): crop has a block to cut
     nested = bench_nested_align(engine, [2], reps=1, aligns=("crop", "pad"), max_tokens=24,
@@ -83,7 +83,7 @@ LOCALITY_KEYS = {"hay_chars", "position", "trials", "flat_accuracy", "tournament
 
 @pytest.mark.engine
 def test_locality_bench_scores_flat_tournament_and_the_needle_pair(engine) -> None:
-    from span_workflows.apps.bench_locality import bench_locality, markdown_table
+    from span_workflows.apps.bench.locality import bench_locality, markdown_table
 
     rows = bench_locality(engine, hay_chars=[0], trials=2, positions=["end"],
                           aligns=("crop",), batch=2, progress=False)
@@ -103,8 +103,8 @@ def test_a_needle_drafts_output_is_its_prompts_text(tmp_path: Path) -> None:
     them with the needle sentence at its place; its tables and plot read the rows."""
     import random
 
-    from span_workflows.apps.bench_align import needle_markdown, needle_trial, plot_align
-    from span_workflows.apps.report import wilson
+    from span_workflows.apps.bench.align import needle_markdown, needle_trial, plot_align
+    from span_workflows.apps.bench.report import wilson
 
     query, name = needle_trial(random.Random(1), 100, "end", drafts=2)
     drafts = query.input.children[1].children

@@ -1,6 +1,6 @@
 """``span-workflows bench lint``: how well ``lint`` tells commuting pluses from ordered ones.
 
-On the labelled set (:mod:`span_workflows.apps.lint_set`), every case is linted twice in one
+On the labelled set (:mod:`span_workflows.apps.bench.lint_set`), every case is linted twice in one
 run, on one engine: the static checks alone, then static + the order check
 (:func:`span_workflows.lint.lint` with the engine, ``--trials`` orders and controls, greedy).
 For each label (commuting / order-dependent) and each kind of case the table gives the share
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.lint_set import LabelledPlus, labelled_set
-from span_workflows.apps.report import save_figure, wilson
+from span_workflows.apps.bench.lint_set import LabelledPlus, labelled_set
+from span_workflows.apps.bench.report import save_figure, wilson
 from span_workflows.lint import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_MARGIN,
@@ -232,7 +232,7 @@ def plot_lint(summary_rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def run_lint_bench(args: Any) -> int:
     """``span-workflows bench lint``: run, print the summary, write what was asked for."""
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
     from span_workflows.engine import Engine
 
     trials = args.trials or 3
@@ -257,7 +257,7 @@ def run_lint_bench(args: Any) -> int:
     command = f"span-workflows bench lint --trials {trials}"
     if args.answers:
         command += f" --answers {args.answers}"
-    from span_workflows.apps.provenance import provenance
+    from span_workflows.apps.bench.provenance import provenance
 
     result = {"provenance": provenance(engine, reps=trials),
               "settings": {"command": command, "model": model, "trials": trials,

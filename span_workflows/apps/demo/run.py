@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from span_workflows.apps.corpus import stdlib_index
+from span_workflows.apps.demo.corpus import stdlib_index
 from span_workflows.builders import fragment, g, rag
 from span_workflows.retrieval import Passage, VectorIndex
 

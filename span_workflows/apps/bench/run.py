@@ -11,24 +11,24 @@ meaningful on a shared, noisy machine even when absolute times are not.
   and the *floor* (the question alone).
 * ``nested`` — judge/generator with a fan-out of n drafts, for each ``align``: the judge's
   TTFT and engine steps, the draft tokens it reads from cache and loses, the drafts' extra
-  decode steps (:mod:`span_workflows.apps.bench_align`).
+  decode steps (:mod:`span_workflows.apps.bench.align`).
 * ``reposition`` — KV re-rotation throughput (tokens/ms) vs a plain copy of the same bytes.
 * ``compile`` — client overhead of optimize + compile per query, and the plugin's block
   hashing cost per block at 1k / 32k / 128k tokens (plain and span layouts).
-* ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench_route`).
+* ``route`` — routers over span-engine replicas (:mod:`span_workflows.apps.bench.route`).
 * ``locality`` — needle in a haystack: extraction accuracy of a flat judge vs the tournament
-  rewrite, per ``align`` (:mod:`span_workflows.apps.bench_locality`).
+  rewrite, per ``align`` (:mod:`span_workflows.apps.bench.locality`).
 * ``needle`` — a needle in the drafts' output at their start, middle or end: the judge's exact
-  match per ``align`` and stock (:mod:`span_workflows.apps.bench_align`).
+  match per ``align`` and stock (:mod:`span_workflows.apps.bench.align`).
 * ``lint`` — ``span-workflows lint`` on a labelled set of commuting and order-dependent
   pluses: the share flagged by static checks and with the order check
-  (:mod:`span_workflows.apps.bench_lint`).
+  (:mod:`span_workflows.apps.bench.lint`).
 * ``quality`` — answer accuracy of stock and every span mode on invented-fact RAG questions,
-  with first-token KL and span-hit TTFT (:mod:`span_workflows.apps.bench_quality`).
+  with first-token KL and span-hit TTFT (:mod:`span_workflows.apps.bench.quality`).
 * ``bulk`` — a bulk of RAG queries in arrival order, shuffled and clustered by shared spans,
-  on one engine and on Ray actors (:mod:`span_workflows.apps.bench_bulk`).
+  on one engine and on Ray actors (:mod:`span_workflows.apps.bench.bulk`).
 * ``lora`` — prefill TTFT and decode throughput of the base and of the span-ready adapter,
-  as LoRA beside the base and merged (:mod:`span_workflows.apps.bench_lora`).
+  as LoRA beside the base and merged (:mod:`span_workflows.apps.bench.lora`).
 """
 
 from __future__ import annotations
@@ -38,25 +38,24 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.corpus import documents
-from span_workflows.apps.provenance import stamp
-from span_workflows.apps.report import plot, print_table
+from span_workflows.apps.bench.provenance import stamp
+from span_workflows.apps.bench.report import plot, print_table
+from span_workflows.apps.demo.corpus import documents
 from span_workflows.builders import g, rag, user
 
-#: Where the committed results live (``benchmarks/results`` of the repository).
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
+
+
 def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: int,
               progress: bool = True) -> list[dict[str, Any]]:
     """One row per document count; see the module docstring."""
     from tqdm.auto import tqdm
 
-    from span_workflows.apps.bench_quality import new_combinations
-    from span_workflows.apps.provenance import provenance
+    from span_workflows.apps.bench.provenance import provenance
+    from span_workflows.apps.bench.quality import new_combinations
 
     rng = random.Random(0)
     docs = documents(engine.tokenizer, max(docs_counts) * 3, doc_tokens)
@@ -213,14 +212,14 @@ def bench_hashing(token_counts: Sequence[int] = (1024, 32768, 131072), block_siz
 def run_bench(name: str, argv: Sequence[str]) -> int:
     """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table."""
     if name == "route":
-        from span_workflows.apps.bench_route import run_route
+        from span_workflows.apps.bench.route import run_route
 
         return run_route(argv)
     if name == "bulk":
-        from span_workflows.apps.bench_bulk import run_bulk_bench
+        from span_workflows.apps.bench.bulk import run_bulk_bench
 
         return run_bulk_bench(argv)
-    from span_workflows.apps.bench_options import BENCHMARKS, bench_parser
+    from span_workflows.apps.bench.options import BENCHMARKS, bench_parser
 
     parser = bench_parser(name)
     args = parser.parse_args(list(argv))
@@ -229,25 +228,25 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
 
         raise SpanQueryError("bench", f"unknown benchmark {name!r} ({', '.join(BENCHMARKS)})")
     if name == "quality":
-        from span_workflows.apps.bench_quality import run_quality
+        from span_workflows.apps.bench.quality import run_quality
 
         return run_quality(args)
     if name == "lint":
-        from span_workflows.apps.bench_lint import run_lint_bench
+        from span_workflows.apps.bench.lint import run_lint_bench
 
         return run_lint_bench(args)
     if name == "lora":
-        from span_workflows.apps.bench_lora import run_lora
+        from span_workflows.apps.bench.lora import run_lora
 
         return run_lora(args)
     args.docs = args.docs or [1, 2, 4, 8, 16]
     if name == "locality":
-        from span_workflows.apps.bench_locality import run_locality
+        from span_workflows.apps.bench.locality import run_locality
 
         args.hay_chars = args.hay_chars or [0, 200, 400, 800]
         return run_locality(args)
     if name in ("nested", "needle"):
-        from span_workflows.apps.bench_align import run_needle, run_nested
+        from span_workflows.apps.bench.align import run_needle, run_nested
 
         args.hay_chars = args.hay_chars or [10, 100, 1000]
         return run_nested(args) if name == "nested" else run_needle(args)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from span_workflows.apps import bench_lint as bl
-from span_workflows.apps.lint_set import labelled_set
+from span_workflows.apps.bench import lint as bl
+from span_workflows.apps.bench.lint_set import labelled_set
 
 
 def _row(name: str, kind: str, commutes: bool, static: str, verdict: str) -> dict:

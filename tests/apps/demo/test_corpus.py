@@ -1,10 +1,10 @@
-"""Tests for span_workflows.apps.corpus: chunking and the stdlib corpus."""
+"""Tests for span_workflows.apps.demo.corpus: chunking and the stdlib corpus."""
 
 from __future__ import annotations
 
 import pytest
 
-from span_workflows.apps.corpus import (
+from span_workflows.apps.demo.corpus import (
     MAX_WORDS,
     MIN_WORDS,
     STDLIB_MODULES,

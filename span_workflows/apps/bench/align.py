@@ -43,8 +43,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from span_workflows.apps.bench_locality import HAY, NAMES, NEUTRAL, exact_match, needle_sentence
-from span_workflows.apps.report import save_figure, wilson
+from span_workflows.apps.bench.locality import HAY, NAMES, NEUTRAL, exact_match, needle_sentence
+from span_workflows.apps.bench.report import save_figure, wilson
 from span_workflows.builders import cross, g, plus, system, user
 from span_workflows.ir import Generate
 from span_workflows.layout import ALIGN_CHOICES, SpanOptions
@@ -324,7 +324,7 @@ def run_needle(args: Any) -> int:
     ``--nested-json`` when given)."""
     import json
 
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
     from span_workflows.engine import Engine
 
     aligns = args.align or ["crop", "recompute", "pad"]
@@ -344,7 +344,7 @@ def run_needle(args: Any) -> int:
 
 def run_nested(args: Any) -> int:
     """``span-workflows bench nested``: per alignment and stock; print and write the rows."""
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
     from span_workflows.engine import Engine
 
     engine = Engine(args.model, kv_cache_gib=4, max_num_seqs=128, progress=True)
@@ -364,7 +364,7 @@ def _write(args: Any, rows: list[dict[str, Any]], markdown: str, engine: Any,
            reps: int) -> None:
     import json
 
-    from span_workflows.apps.provenance import stamp
+    from span_workflows.apps.bench.provenance import stamp
 
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Perplexity of a model on held-out plain text: did fine-tuning make it forget?
 
-The text is the Python standard library's documentation (:mod:`span_workflows.apps.corpus`),
+The text is the Python standard library's documentation (:mod:`span_workflows.apps.demo.corpus`),
 which no training data of ``span-workflows tune`` contains. Each passage is scored on its own
 (a plain causal LM forward, Hugging Face transformers, float32): perplexity is
 ``exp(total negative log-likelihood / predicted tokens)`` over all passages.
@@ -16,7 +16,7 @@ from pathlib import Path
 def heldout_passages(count: int = 120) -> list[str]:
     """``count`` passages of the standard library's documentation, spread over its modules
     (every ``k``-th passage of the corpus, in corpus order)."""
-    from span_workflows.apps.corpus import stdlib_passages
+    from span_workflows.apps.demo.corpus import stdlib_passages
 
     passages = [p.text for p in stdlib_passages()]
     step = max(1, len(passages) // count)

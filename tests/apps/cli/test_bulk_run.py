@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from span_workflows.apps.bulk_run import answered_lines, run_bulk_file
+from span_workflows.apps.cli.bulk_run import answered_lines, run_bulk_file
 from span_workflows.errors import SpanQueryError
 from span_workflows.result import BulkAnswer, Metrics, Result
 from span_workflows.serving import wire
@@ -78,7 +78,7 @@ def test_a_resumed_run_asks_only_what_is_not_answered(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", *args],
+    return subprocess.run([sys.executable, "-m", "span_workflows.apps.cli.main", *args],
                           capture_output=True, text=True, timeout=300)
 
 

@@ -7,7 +7,7 @@ query in a random order) is routed by every router in one run:
   2, 8, 32 and 100 replicas (``--replicas``), each replica an LRU model of a KV cache of
   ``--cache-tokens`` tokens, the single node's cache the same size;
 * ``--mode real`` — a Ray Serve deployment of real span-engine replicas on this machine
-  (:mod:`span_workflows.apps.bench_route_real`).
+  (:mod:`span_workflows.apps.bench.route_real`).
 
 Rows (JSON): ``mode``, ``router``, ``replicas``, ``requests``, ``hit_rate`` (span tokens read
 from cache / span tokens), ``single_node_hit_rate``, ``p50_ttft_s``, ``p95_ttft_s``,
@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.provenance import stamp
-from span_workflows.apps.report import print_table, save_figure
+from span_workflows.apps.bench.options import add_results_dir, int_list, new_parser
+from span_workflows.apps.bench.provenance import stamp
+from span_workflows.apps.bench.report import print_table, save_figure
 from span_workflows.scaleout.affinity import AffinityOptions
 from span_workflows.scaleout.simulate import (
     ROUTERS,
@@ -36,16 +37,8 @@ from span_workflows.scaleout.simulate import (
     simulate,
 )
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 FIELDS = ("mode", "router", "replicas", "requests", "hit_rate", "single_node_hit_rate",
           "p50_ttft_s", "p95_ttft_s", "max_load_ratio")
-
-
-def _ints(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, not {text!r}")
-    return values
 
 
 def sim_rows(sizes: Sequence[int], trace: TraceOptions, affinity: AffinityOptions,
@@ -153,9 +146,9 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The options of ``span-workflows bench route``."""
-    p = argparse.ArgumentParser(prog="span-workflows bench route")
+    p = new_parser("route", model=False)
     p.add_argument("--mode", choices=("sim", "real"), default="sim")
-    p.add_argument("--replicas", type=_ints, default=None,
+    p.add_argument("--replicas", type=int_list(1), default=None,
                    help="cluster sizes (sim default 2,8,32,100; real default 2)")
     p.add_argument("--requests", type=int, default=None,
                    help="queries in the trace (sim default 4000, real default 24)")
@@ -170,10 +163,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="span-affinity: bounded-load factor over the fair share (0: off)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="real: queries in flight at once")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help="directory of route.json / route.md / route.png")
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    add_results_dir(p, "route")
     return p
 
 
@@ -188,7 +178,7 @@ def run_route(argv: Sequence[str]) -> int:
                                    max_share=args.max_share or None)
         rows = sim_rows(args.replicas or [2, 8, 32, 100], trace, affinity, CostModel())
     else:
-        from span_workflows.apps.bench_route_real import real_rows
+        from span_workflows.apps.bench.route_real import real_rows
 
         rows = real_rows(replicas=(args.replicas or [2])[0], requests=args.requests or 24,
                          documents=args.documents or 12, k=args.k or 3, zipf_s=args.zipf,

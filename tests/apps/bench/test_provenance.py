@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
-from span_workflows.apps.provenance import QUIET_FIELDS, commit, machine, provenance
-from span_workflows.apps.report import print_table
+from span_workflows.apps.bench.provenance import QUIET_FIELDS, commit, machine, provenance
+from span_workflows.apps.bench.report import print_table
 
 
 def test_a_row_names_its_commit_machine_model_and_adapters() -> None:
@@ -31,7 +31,7 @@ def test_printed_tables_leave_provenance_to_the_json() -> None:
 
 
 def test_stamp_adds_provenance_and_keeps_a_rows_own_reps() -> None:
-    from span_workflows.apps.provenance import stamp
+    from span_workflows.apps.bench.provenance import stamp
 
     rows = stamp([{"n_docs": 1}, {"n_docs": 2, "reps": 1}], reps=3)
     assert [r["reps"] for r in rows] == [3, 1]

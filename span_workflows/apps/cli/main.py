@@ -141,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_tune(sub, common)
 
-    from span_workflows.apps.bench_options import BENCHMARKS, options_help
+    from span_workflows.apps.bench.options import BENCHMARKS, options_help
 
     bench = sub.add_parser(
         "bench", help=f"benchmarks: {', '.join(BENCHMARKS)}", parents=[common],
@@ -196,12 +196,12 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         if args.answer_tokens < 1:
             raise SpanQueryError("--answer-tokens", "must be at least 1")
         model, queries = pick_model(queries, args.model)
-        from span_workflows.apps.precheck import check_queries
+        from span_workflows.apps.cli.precheck import check_queries
 
         name = None if model is None or _is_default(model) else model
         check_queries(queries, name, args.block_size, span_mode=False,
                       labels=[str(p) for p in args.files])
-        from span_workflows.apps.progress import engine_loading
+        from span_workflows.apps.cli.progress import engine_loading
         from span_workflows.engine import Engine
 
         with engine_loading():
@@ -218,7 +218,7 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         print(json.dumps([{"file": str(p), **r.to_dict()}
                           for p, r in zip(args.files, reports, strict=True)], indent=2))
     else:
-        from span_workflows.apps.lint_view import print_reports
+        from span_workflows.apps.cli.lint_view import print_reports
 
         print_reports([(str(p), r) for p, r in zip(args.files, reports, strict=True)])
     return max(r.exit_code for r in reports)
@@ -386,7 +386,7 @@ def _add_bulk_options(run: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run_bulk(args: argparse.Namespace) -> int:
-    from span_workflows.apps.bulk_run import read_queries, run_bulk_file, summary
+    from span_workflows.apps.cli.bulk_run import read_queries, run_bulk_file, summary
 
     if args.files:
         raise SpanQueryError("run", "give query files or --bulk, not both")
@@ -426,7 +426,7 @@ def _cmd_run_bulk(args: argparse.Namespace) -> int:
             from span_workflows.model import resolve_model
 
             resolve_model(model, progress=False)
-        from span_workflows.apps.progress import engine_loading
+        from span_workflows.apps.cli.progress import engine_loading
         from span_workflows.engine import Engine
 
         with engine_loading():
@@ -454,12 +454,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         results = [backend.execute(q) for q in queries]
     else:
         model, queries = pick_model(queries, args.model)
-        from span_workflows.apps.precheck import check_queries
+        from span_workflows.apps.cli.precheck import check_queries
 
         check_queries(queries, None if model is None or _is_default(model) else model,
                       args.block_size, span_mode=not args.stock,
                       labels=[str(p) for p in args.files])
-        from span_workflows.apps.progress import engine_loading
+        from span_workflows.apps.cli.progress import engine_loading
         from span_workflows.engine import Engine
 
         with engine_loading():
@@ -506,7 +506,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from span_workflows.apps.demo import run_demo
+    from span_workflows.apps.demo.run import run_demo
 
     engine = None
     if args.model:
@@ -587,7 +587,7 @@ def _adapters(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from span_workflows.apps.bench import run_bench
+    from span_workflows.apps.bench.run import run_bench
 
     return run_bench(args.name, args.rest)
 

@@ -47,7 +47,7 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
     import random
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from span_workflows.apps.provenance import provenance
+    from span_workflows.apps.bench.provenance import provenance
     from span_workflows.builders import g, user
     from span_workflows.engine import Engine
     from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
@@ -100,7 +100,7 @@ def bench_lora(prompt_tokens: int, reps: int, progress: bool = True) -> list[dic
     rows: dict[str, dict[str, Any]] = {}
     for config in tqdm(CONFIGS, desc="lora", disable=not progress):
         done = subprocess.run(
-            [sys.executable, "-m", "span_workflows.apps.bench_lora", "--worker", config,
+            [sys.executable, "-m", "span_workflows.apps.bench.lora", "--worker", config,
              "--tokens", str(prompt_tokens), "--reps", str(reps)],
             capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -122,7 +122,7 @@ def plot_lora(rows: list[dict[str, Any]], path: Any) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from span_workflows.apps.report import save_figure
+    from span_workflows.apps.bench.report import save_figure
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     names = [r["config"] for r in rows]
@@ -139,7 +139,7 @@ def plot_lora(rows: list[dict[str, Any]], path: Any) -> None:
 
 def run_lora(args: argparse.Namespace) -> int:
     """``bench lora``: the table, and ``--json`` / ``--plot`` when asked."""
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
 
     rows = bench_lora(4 * args.doc_tokens, args.reps)
     print_table(rows)

@@ -1,11 +1,11 @@
-"""The labelled set of span_workflows.apps.lint_set and what the static checks make of it
+"""The labelled set of span_workflows.apps.bench.lint_set and what the static checks make of it
 (the order check on it is the benchmark's, `span-workflows bench lint`)."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from span_workflows.apps.lint_set import COMMUTING_KINDS, ORDERED_KINDS, labelled_set
+from span_workflows.apps.bench.lint_set import COMMUTING_KINDS, ORDERED_KINDS, labelled_set
 from span_workflows.ir import Plus, walk
 from span_workflows.lint import lint
 from span_workflows.validate import validate

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from span_workflows.apps import cli
+from span_workflows.apps.cli import main as cli
 from span_workflows.model import DEFAULT_MODEL_NAME
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -76,7 +76,7 @@ def test_a_query_over_the_context_is_one_line_before_the_engine_starts(tmp_path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli", "run", str(query)],
+    done = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli.main", "run", str(query)],
                           capture_output=True, text=True, env=env, timeout=600)
     elapsed = time.perf_counter() - started
     assert done.returncode == 2

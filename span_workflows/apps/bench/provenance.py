@@ -14,7 +14,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-REPOSITORY = Path(__file__).resolve().parents[2]
+from span_workflows.apps.bench.options import REPOSITORY
+
 #: The fields :func:`provenance` adds that tables printed to a terminal leave out.
 QUIET_FIELDS = ("commit", "machine", "model_dir", "adapters")
 

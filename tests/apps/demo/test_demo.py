@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from span_workflows.apps.corpus import chunk_documents, module_documents
-from span_workflows.apps.demo import DEFAULT_QUESTIONS, run_demo
+from span_workflows.apps.demo.corpus import chunk_documents, module_documents
+from span_workflows.apps.demo.run import DEFAULT_QUESTIONS, run_demo
 from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 from span_workflows.retrieval import VectorIndex
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from span_workflows.apps import bench_quality as bq
-from span_workflows.apps.cli import main
-from span_workflows.apps.qa_set import QUESTION_KINDS, is_correct, make_questions
-from span_workflows.apps.report import print_table, wilson
+from span_workflows.apps.bench import quality as bq
+from span_workflows.apps.bench.qa_set import QUESTION_KINDS, is_correct, make_questions
+from span_workflows.apps.bench.report import print_table, wilson
+from span_workflows.apps.cli.main import main
 
 ROW_KEYS = {"model", "size", "variant", "n_docs", "questions", "accuracy", "ci_low", "ci_high",
             "delta_vs_stock", "delta_low", "delta_high",
@@ -211,7 +211,7 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
 
 def test_perplexity_of_held_out_text_is_finite_and_names_the_standard_library(
         tokenizer) -> None:
-    from span_workflows.apps.perplexity import heldout_passages, perplexity
+    from span_workflows.apps.bench.perplexity import heldout_passages, perplexity
     from span_workflows.model import resolve_model
 
     passages = heldout_passages(3)

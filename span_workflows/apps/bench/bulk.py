@@ -2,7 +2,7 @@
 clustered, on one engine and on two Ray actors, side by side.
 
 **Trace** (:func:`make_trace`): documents of ``doc_tokens`` tokens (standard-library
-documentation, :func:`span_workflows.apps.corpus.documents`) in *topics* of 8, a retriever's
+documentation, :func:`span_workflows.apps.demo.corpus.documents`) in *topics* of 8, a retriever's
 neighbourhoods; topics are Zipf-popular (``s`` = 0.9); each query retrieves k = 5 documents,
 ``topic_docs`` (default 4) of its topic's and the rest by global Zipf popularity over all
 documents, in a random order, after a shared system prompt and before its own question. The
@@ -45,10 +45,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.provenance import stamp
-from span_workflows.apps.report import save_figure
+from span_workflows.apps.bench.options import add_results_dir, float_list, int_list, new_parser
+from span_workflows.apps.bench.provenance import stamp
+from span_workflows.apps.bench.report import save_figure
 
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 SCHEDULES = ("given", "random", "cluster")
 #: KV cache blocks (of 32 tokens) per engine, by document size: a handful of queries' worth
@@ -135,7 +135,7 @@ def make_queries(shape: TraceShape, texts: Sequence[str]) -> list[Any]:
 
 
 def _texts(tokenizer: Any, shape: TraceShape) -> list[str]:
-    from span_workflows.apps.corpus import documents
+    from span_workflows.apps.demo.corpus import documents
 
     count = shape.topics * PER_TOPIC
     body = documents(tokenizer, count, shape.doc_tokens)
@@ -367,10 +367,10 @@ def plot_rows(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 def make_parser() -> argparse.ArgumentParser:
     """The options of ``span-workflows bench bulk``."""
-    p = argparse.ArgumentParser(prog="span-workflows bench bulk")
-    p.add_argument("--doc-tokens", type=lambda t: [int(x) for x in t.split(",")],
+    p = new_parser("bulk")
+    p.add_argument("--doc-tokens", type=int_list(1),
                    default=[100, 440], help="document sizes (default: 100,440)")
-    p.add_argument("--ratios", type=lambda t: [float(x) for x in t.split(",")],
+    p.add_argument("--ratios", type=float_list,
                    default=[4.0, 0.5],
                    help="working set over the KV cache, per run (default: 4,0.5)")
     p.add_argument("--uses-per-doc", type=float, default=3.0,
@@ -382,23 +382,17 @@ def make_parser() -> argparse.ArgumentParser:
                    help="queries run together (default: 4)")
     p.add_argument("--replicas", type=int, default=2,
                    help="Ray actors for the distributed rows (0: none; default: 2)")
-    p.add_argument("--ray-doc-tokens", type=lambda t: [int(x) for x in t.split(",")],
+    p.add_argument("--ray-doc-tokens", type=int_list(1),
                    default=[100], help="document sizes of the Ray rows (default: 100)")
     p.add_argument("--alone", type=int, default=3,
                    help="queries also run alone per working set, for same_answers")
-    p.add_argument("--seed", type=int, default=0, help="seed of the trace (default: 0)")
-    p.add_argument("--model", default=None,
-                   help="the engines' model: a bundled name or a local HF directory "
-                        "(default: smollm2-135m-instruct)")
     p.add_argument("--fit-reps", type=int, default=3,
                    help="runs of each bulk whose working set fits the cache; the median "
                         "wall time is kept (default: 3)")
     p.add_argument("--parts", type=Path, default=None,
                    help="keep each document size's one-engine rows here and reuse them when "
                         "run again with the same settings (e.g. to redo the Ray rows)")
-    p.add_argument("--out", type=Path, default=RESULTS,
-                   help="directory of bulk.json / bulk.md / bulk.png")
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    add_results_dir(p, "bulk")
     return p
 
 
@@ -406,7 +400,7 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
     """CLI entry of ``span-workflows bench bulk``."""
     import multiprocessing
 
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
 
     args = make_parser().parse_args(list(argv))
     rows: list[dict[str, Any]] = []

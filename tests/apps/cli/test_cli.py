@@ -12,8 +12,8 @@ import pytest
 
 from span_workflows import rag, to_json
 
-ROOT = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-m", "span_workflows.apps.cli"]
+ROOT = Path(__file__).resolve().parents[3]
+CLI = [sys.executable, "-m", "span_workflows.apps.cli.main"]
 DOCS = [
     "The lighthouse on Gull Rock was built in 1871 and painted red and white.",
     "Keeper Ada Lind kept the Gull Rock light burning for forty-two winters.",

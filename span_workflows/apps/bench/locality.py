@@ -25,7 +25,7 @@ the needle is therefore in the inner *prompt*, which cropping never cuts (it
 only drops output tokens of a partial block), so crop on/off measures the effect of the cut
 output on the judge, not the loss of the needle. With ``--copy-tokens 0`` a needle at the
 ``end`` sits at the end of the copy, where cropping can cut it (it is still in the prompt; the
-needle only in a draft's output is ``bench needle``, :mod:`span_workflows.apps.bench_align`).
+needle only in a draft's output is ``bench needle``, :mod:`span_workflows.apps.bench.align`).
 ``hay_chars=0`` means each text is one sentence: the needle sentence in one text, a neutral
 sentence at the same place in the others. The hay is bland English sentences without proper
 names, drawn per text and trial; names and placements come from a seeded RNG.
@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from span_workflows.apps.report import save_figure, wilson
+from span_workflows.apps.bench.report import save_figure, wilson
 from span_workflows.builders import cross, g, plus, system, user
 from span_workflows.ir import Generate
 from span_workflows.layout import SpanOptions
@@ -355,11 +355,11 @@ def plot_locality(rows: list[dict[str, Any]], path: Any, title: str = "") -> Non
 
 def run_locality(args: Any) -> int:
     """``span-workflows bench locality`` (``args`` from
-    :func:`span_workflows.apps.bench.run_bench`): run, print the table, write ``--json`` (one
+    :func:`span_workflows.apps.bench.run.run_bench`): run, print the table, write ``--json`` (one
     row per hay length and needle position), ``--markdown`` and ``--plot``."""
     import json
 
-    from span_workflows.apps.report import print_table
+    from span_workflows.apps.bench.report import print_table
     from span_workflows.engine import Engine
 
     for p in args.positions:
@@ -387,7 +387,7 @@ def run_locality(args: Any) -> int:
         engine.close()
     print_table([{k: v for k, v in r.items() if "prompt_tokens" not in k} for r in rows])
     if args.json:
-        from span_workflows.apps.provenance import stamp
+        from span_workflows.apps.bench.provenance import stamp
 
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(stamp(rows, engine, reps=args.trials or 8), indent=2)

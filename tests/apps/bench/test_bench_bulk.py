@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from span_workflows.apps.bench_bulk import (
+from span_workflows.apps.bench.bulk import (
     PER_TOPIC,
     TraceShape,
     make_trace,
@@ -67,8 +67,8 @@ def test_a_row_counts_tokens_computed_hit_rate_and_latency(tmp_path: Path) -> No
 def test_a_repeated_bulk_keeps_the_run_of_median_wall_time(monkeypatch) -> None:
     """A working set that fits runs in seconds: its bulk runs ``reps`` times, each on an
     empty cache, and the run with the median wall time is the row's."""
-    from span_workflows.apps import bench_bulk
-    from span_workflows.apps.bench_bulk import Setting, _timed_bulk
+    from span_workflows.apps.bench import bulk as bench_bulk
+    from span_workflows.apps.bench.bulk import Setting, _timed_bulk
 
     now = [0.0]  # a clock that moves only when a bulk runs
     monkeypatch.setattr(bench_bulk.time, "perf_counter", lambda: now[0])

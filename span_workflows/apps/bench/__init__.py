@@ -1,0 +1,1 @@
+"""``span-workflows bench``: the benchmarks, their data sets, tables, plots and provenance."""

@@ -1,0 +1,1 @@
+"""The command line: ``span-workflows`` and its subcommands (entry: :func:`main.main`)."""
