@@ -25,9 +25,10 @@ read from the cache that the query did not compute / prompt tokens), ``tokens_co
 (prompt tokens computed by all requests, prepares and links included), ``p50_latency_s`` (a
 query's own latency inside the bulk), ``same_answers`` (every answer equals the same query's
 answer in arrival order on one engine, and the sampled queries run alone answer the same),
-``clusters``, ``cache_tokens``, ``wall_s``, ``cpu_s``, ``reps`` (a working set that fits
-runs in seconds, so each of its bulks runs ``--fit-reps`` times, default 3, and the run with
-the median wall time is kept; a larger one runs once). Written to
+``clusters``, ``cache_tokens``, ``wall_s``, ``cpu_s``, ``reps`` (every bulk, Ray's included,
+runs ``--reps`` times, default 3, each on an empty cache; the run with the median wall time
+is the row's) and the spread of those runs, ``queries_per_s_min`` and ``queries_per_s_max``.
+Written to
 ``benchmarks/results/bulk.{json,md,png}``.
 """
 
@@ -172,16 +173,40 @@ class Setting:
     max_in_flight: int
     alone: int
     seed: int = 0
-    #: runs of each schedule where the working set fits (seconds each: the median is kept)
-    fit_reps: int = 3
+    #: runs of each bulk (each on an empty cache; the run of median wall time is kept)
+    reps: int = 3
     #: the engines' model (``None``: the default)
     model: str | None = None
 
 
+@dataclass(frozen=True)
+class Repeated:
+    """The run of median wall time among repeated runs of one bulk, and the spread."""
+
+    answers: list[Any]
+    wall_s: float
+    cpu_s: float
+    #: every run's wall seconds, shortest first
+    walls: tuple[float, ...]
+
+    def spread(self) -> dict[str, float]:
+        """The slowest and fastest run, as queries per wall second."""
+        count = len(self.answers)
+        return {"queries_per_s_min": round(count / self.walls[-1], 3),
+                "queries_per_s_max": round(count / self.walls[0], 3)}
+
+
+def median_run(runs: Sequence[tuple[list[Any], float, float]]) -> Repeated:
+    """Of ``(answers, wall_s, cpu_s)`` runs, the one with the median wall time."""
+    ordered = sorted(runs, key=lambda run: run[1])
+    answers, wall, cpu = ordered[len(ordered) // 2]
+    return Repeated(answers, wall, cpu, tuple(run[1] for run in ordered))
+
+
 def _timed_bulk(engine: Any, queries: Sequence[Any], schedule: str, setting: Setting,
-                reps: int) -> tuple[list[Any], float, float]:
-    """``reps`` runs of one bulk, each on an empty cache: the answers, wall and CPU seconds
-    of the run with the median wall time."""
+                reps: int) -> Repeated:
+    """``reps`` runs of one bulk, each on an empty cache: the run with the median wall
+    time (its answers, wall and CPU seconds) and every run's wall time."""
     runs = []
     for _ in range(reps):
         engine.reset_cache()
@@ -189,8 +214,7 @@ def _timed_bulk(engine: Any, queries: Sequence[Any], schedule: str, setting: Set
         answers = engine.execute_bulk(queries, schedule=schedule,
                                       max_in_flight=setting.max_in_flight, seed=setting.seed)
         runs.append((answers, time.perf_counter() - started, time.process_time() - cpu))
-    runs.sort(key=lambda run: run[1])
-    return runs[len(runs) // 2]
+    return median_run(runs)
 
 
 def one_engine_rows(setting: Setting) -> dict[str, Any]:
@@ -216,16 +240,16 @@ def one_engine_rows(setting: Setting) -> dict[str, Any]:
             working = working_set_tokens(make_trace(shape), setting.doc_tokens) / cache
             items = key_items(as_queries(queries), keyer, engine.span_options)
             texts: dict[str, list[str]] = {}
-            reps = setting.fit_reps if working <= 1 else 1
             for schedule in SCHEDULES:
-                answers, wall, cpu = _timed_bulk(engine, queries, schedule, setting, reps)
-                texts[schedule] = [a.result.text if a.ok else "" for a in answers]
+                run = _timed_bulk(engine, queries, schedule, setting, setting.reps)
+                texts[schedule] = [a.result.text if a.ok else "" for a in run.answers]
                 clusters = len(schedule_items(items, schedule, cache, seed=setting.seed)
                                .clusters)
                 rows.append({"schedule": schedule, "engines": 1,
                              "doc_tokens": setting.doc_tokens,
                              "working_set_over_cache": round(working, 2),
-                             **measure(answers, wall, cpu), "reps": reps,
+                             **measure(run.answers, run.wall_s, run.cpu_s),
+                             **run.spread(), "reps": setting.reps,
                              "clusters": clusters, "cache_tokens": cache,
                              "topics": shape.topics})
                 print(f"bench bulk: {setting.doc_tokens}-token documents, working set "
@@ -265,19 +289,24 @@ def ray_rows(setting: Setting, references: dict[float, Any], cache_tokens: int,
                               kv_cache_blocks=setting.cache_blocks,
                               max_in_flight=setting.max_in_flight, seed=setting.seed,
                               env={"VLLM_LOGGING_LEVEL": "ERROR"})
-        got = list(run_bulk_on_ray(queries, options))
-        answers = sorted((g.answer for g in got), key=lambda a: a.index)
-        start = min(g.ready_at for g in got)
-        wall = max(g.ended_at for g in got) - start
-        texts = [a.result.text if a.ok else "" for a in answers]
+        runs, served_by, texts = [], set(), None
+        for _ in range(setting.reps):  # each run starts its actors afresh: an empty cache
+            got = list(run_bulk_on_ray(queries, options))
+            answers = sorted((g.answer for g in got), key=lambda a: a.index)
+            wall = max(g.ended_at for g in got) - min(g.ready_at for g in got)
+            runs.append((answers, wall, sum(g.cpu_s for g in got)))
+            served_by.add(len({g.engine for g in got}))
+            run_texts = [a.result.text if a.ok else "" for a in answers]
+            texts = run_texts if texts in (None, run_texts) else []  # [] : runs disagreed
+        run = median_run(runs)
         rows.append({"schedule": "cluster", "engines": replicas,
                      "doc_tokens": setting.doc_tokens,
                      "working_set_over_cache": round(ref["working"], 2),
-                     **measure(answers, wall, sum(g.cpu_s for g in got)),
-                     "cache_tokens": cache_tokens, "topics": shape.topics, "reps": 1,
-                     "same_answers": texts == ref["texts"],
+                     **measure(run.answers, run.wall_s, run.cpu_s), **run.spread(),
+                     "cache_tokens": cache_tokens, "topics": shape.topics,
+                     "reps": setting.reps, "same_answers": texts == ref["texts"],
                      "clusters": _ray_clusters(queries, options, tokenizer),
-                     "engines_answering": len({g.engine for g in got})})
+                     "engines_answering": min(served_by)})
         print(f"bench bulk: {setting.doc_tokens}-token documents on {replicas} Ray actors: "
               f"{rows[-1]['queries_per_s']} q/s", flush=True)
     return rows
@@ -302,8 +331,9 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
            if r["schedule"] == "cluster" and r["engines"] == 1}
     lines = ["| doc tokens | working set / cache | schedule | engines | queries | queries/s "
              "| × arrival | queries/CPU-s | × arrival | × one engine | hit rate "
-             "| tokens computed | × arrival | p50 latency (s) | same answers |",
-             "|" + "---|" * 15]
+             "| tokens computed | × arrival | p50 latency (s) | same answers "
+             "| runs: queries/s min–max |",
+             "|" + "---|" * 16]
     for r in rows:
         key = (r["doc_tokens"], r["working_set_over_cache"])
         ref, single = base.get(key, {}), one.get(key, {})
@@ -316,8 +346,15 @@ def markdown(rows: Sequence[dict[str, Any]]) -> str:
             f"| {_ratio(r['queries_per_s'], single.get('queries_per_s'))} "
             f"| {r['hit_rate']:.3f} | {r['tokens_computed']} "
             f"| {_ratio(r['tokens_computed'], ref.get('tokens_computed'))} "
-            f"| {r['p50_latency_s']:.2f} | {'yes' if r['same_answers'] else 'no'} |")
+            f"| {r['p50_latency_s']:.2f} | {'yes' if r['same_answers'] else 'no'} "
+            f"| {_spread(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _spread(row: dict[str, Any]) -> str:
+    if "queries_per_s_min" not in row:
+        return "—"
+    return f"{row['reps']}: {row['queries_per_s_min']:.3f}–{row['queries_per_s_max']:.3f}"
 
 
 def _ratio(value: float, ref: float | None) -> str:
@@ -386,9 +423,9 @@ def make_parser() -> argparse.ArgumentParser:
                    default=[100], help="document sizes of the Ray rows (default: 100)")
     p.add_argument("--alone", type=int, default=3,
                    help="queries also run alone per working set, for same_answers")
-    p.add_argument("--fit-reps", type=int, default=3,
-                   help="runs of each bulk whose working set fits the cache; the median "
-                        "wall time is kept (default: 3)")
+    p.add_argument("--reps", type=int, default=3,
+                   help="runs of each bulk, each on an empty cache; the run of median wall "
+                        "time is kept, the spread reported (default: 3)")
     p.add_argument("--parts", type=Path, default=None,
                    help="keep each document size's one-engine rows here and reuse them when "
                         "run again with the same settings (e.g. to redo the Ray rows)")
@@ -410,7 +447,7 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
     for doc_tokens in args.doc_tokens:
         setting = Setting(doc_tokens, args.cache_blocks or CACHE_BLOCKS.get(doc_tokens, 192),
                           tuple(args.ratios), args.uses_per_doc, args.max_in_flight,
-                          args.alone, args.seed, args.fit_reps, args.model)
+                          args.alone, args.seed, args.reps, args.model)
         key = json.dumps(asdict(setting), sort_keys=True)
         part = parts.get(key)
         if part is None:

@@ -65,8 +65,8 @@ def test_a_row_counts_tokens_computed_hit_rate_and_latency(tmp_path: Path) -> No
 
 
 def test_a_repeated_bulk_keeps_the_run_of_median_wall_time(monkeypatch) -> None:
-    """A working set that fits runs in seconds: its bulk runs ``reps`` times, each on an
-    empty cache, and the run with the median wall time is the row's."""
+    """Every bulk runs ``reps`` times, each on an empty cache: the run with the median wall
+    time is the row's, the fastest and slowest its spread."""
     from span_workflows.apps.bench import bulk as bench_bulk
     from span_workflows.apps.bench.bulk import Setting, _timed_bulk
 
@@ -87,6 +87,8 @@ def test_a_repeated_bulk_keeps_the_run_of_median_wall_time(monkeypatch) -> None:
 
     engine = Engine()
     setting = Setting(100, 96, (0.5,), 3.0, 4, 0)
-    answers, wall, cpu = _timed_bulk(engine, ["q"], "cluster", setting, reps=3)
-    assert answers == ["run 1"] and wall == 5.0 and cpu >= 0
+    run = _timed_bulk(engine, ["q"], "cluster", setting, reps=3)
+    assert run.answers == ["run 1"] and run.wall_s == 5.0 and run.cpu_s >= 0
+    assert run.walls == (1.0, 5.0, 25.0)
+    assert run.spread() == {"queries_per_s_min": 0.04, "queries_per_s_max": 1.0}
     assert engine.resets == engine.calls == 3
