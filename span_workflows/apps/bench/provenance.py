@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from span_workflows.apps.bench.options import REPOSITORY
+from span_workflows.apps.bench.options import REPOSITORY, RESULTS
 
 #: The fields :func:`provenance` adds that tables printed to a terminal leave out.
 QUIET_FIELDS = ("commit", "machine", "model_dir", "adapters")
@@ -22,12 +22,14 @@ QUIET_FIELDS = ("commit", "machine", "model_dir", "adapters")
 
 @lru_cache(maxsize=1)
 def commit() -> str:
-    """The repository's commit, ``+dirty`` when tracked files differ from it; ``unknown``
-    outside a git checkout."""
+    """The repository's commit, ``+dirty`` when tracked files other than the results
+    (``benchmarks/results``, which benchmarks run one after another rewrite) differ from it;
+    ``unknown`` outside a git checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPOSITORY,
                               capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", f":(exclude){RESULTS.relative_to(REPOSITORY)}"],
                                cwd=REPOSITORY, capture_output=True, text=True,
                                check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
