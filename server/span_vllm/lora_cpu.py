@@ -18,14 +18,28 @@ slices (their ``A`` matrices concatenated once, re-read when a slot is loaded an
 ``addmm_`` per slice into the output, for each group of tokens that share an adapter; the
 groups are found once per engine step. On SmolLM2-135M (rank 16, 30 layers) that is about
 half the time of the per-slice ops in prefill and a quarter in decode.
+
+A step whose tokens all use one adapter (one user's query, its prepares, its decode) needs no
+LoRA products at all: :func:`apply_sync` (``BaseLinearLayerWithLoRA._apply_sync``) runs such a
+step on the layer's weights merged with that adapter's update, ``W + B·A``, one product as
+fast as the base's, through the same CPU GEMM vLLM picks for the base
+(``dispatch_cpu_unquantized_gemm``). The merged weights are built when a slot first serves a
+step, rebuilt when the slot is loaded anew, and capped in memory (:data:`MERGE_BUDGET_ENV`,
+default 1 GiB per process; beyond it, steps take the grouped path). Steps that mix adapters,
+or the base and an adapter, take the grouped path.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+#: Environment variable: MiB of merged single-adapter weights a process may hold (0: none).
+MERGE_BUDGET_ENV = "SPAN_VLLM_LORA_MERGE_MIB"
+DEFAULT_MERGE_BUDGET_MIB = 1024
 
 #: The op names ``vllm.lora.punica_wrapper.punica_cpu`` imports and :func:`install` replaces.
 OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice",
@@ -193,6 +207,91 @@ def add_lora_linear(self: Any, y: torch.Tensor, x: torch.Tensor,
             start += rank
 
 
+def _slot_versions(layer: Any) -> tuple[int, ...]:
+    """What changes when any slot of ``layer`` is written: its A and B tensors' versions and
+    storage."""
+    tensors = (*layer.lora_a_stacked, *layer.lora_b_stacked)
+    return tuple(t._version for t in tensors) + tuple(t.data_ptr() for t in tensors)
+
+
+def _base_weight(layer: Any) -> torch.Tensor | None:
+    """The base layer's ``[out, in]`` weight. vLLM's CPU GEMM dispatch packs it away (the
+    parameter left empty), so then it is read back through the packed product itself, as
+    the identity's image (exact: each output is one weight times one)."""
+    base = layer.base_layer
+    out_features, in_features = sum(layer.output_slices), layer.lora_a_stacked[0].shape[-1]
+    weight = getattr(base, "weight", None)
+    if weight is not None and tuple(weight.shape) == (out_features, in_features):
+        return weight.detach()
+    linear = getattr(base, "cpu_linear", None)
+    dtype = layer.lora_a_stacked[0].dtype
+    if linear is None or weight is None or weight.dtype != dtype:
+        return None
+    image = linear(torch.eye(in_features, dtype=dtype), weight, None)
+    if tuple(image.shape) != (in_features, out_features):
+        return None
+    return image.t().contiguous()
+
+
+def _merge_budget() -> int:
+    """Bytes of merged weights this process may still build."""
+    if "budget" not in _MERGED:
+        mib = int(os.environ.get(MERGE_BUDGET_ENV, DEFAULT_MERGE_BUDGET_MIB))
+        _MERGED["budget"] = mib * 2**20
+    return _MERGED["budget"]
+
+
+def merged_linear(layer: Any, slot: int) -> Any:
+    """A ``linear(x, bias)`` computing ``layer``'s base product plus adapter ``slot``'s
+    update in one GEMM, or ``None`` where that cannot be built (no readable base weight, the
+    memory budget spent). Cached on the layer per slot, the ``None`` too; looked at again
+    after the slot is written."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    cache: dict[int, tuple[tuple[int, ...], Any, int]] = layer.__dict__.setdefault(
+        "_span_merged", {})
+    versions = _slot_versions(layer)
+    held = cache.get(slot)
+    if held is not None and held[0] == versions:
+        return held[1]
+    if held is not None:  # the slot was loaded anew: its old merge is given back
+        _MERGED["budget"] = _merge_budget() + held[2]
+        del cache[slot]
+    a = layer.lora_a_stacked[0]
+    size = sum(layer.output_slices) * a.shape[-1] * a.element_size()
+    weight = _base_weight(layer) if size <= _merge_budget() else None
+    if weight is None:
+        cache[slot] = (versions, None, 0)
+        return None
+    update = torch.cat([(b.squeeze(1) if b.dim() == 4 else b)[slot]
+                        @ (a.squeeze(1) if a.dim() == 4 else a)[slot]
+                        for a, b in zip(layer.lora_a_stacked, layer.lora_b_stacked,
+                                        strict=True)], dim=0)
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(weight + update.to(weight.dtype), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
+    _MERGED["budget"] = _merge_budget() - size
+
+    def linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return holder.cpu_linear(x, holder.weight, bias)
+
+    cache[slot] = (versions, linear, size)
+    return linear
+
+
+def apply_sync(self: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``BaseLinearLayerWithLoRA._apply_sync`` on CPU: a step whose every token uses one
+    adapter runs on the merged weights (:func:`merged_linear`); any other step as vLLM
+    computes it (the base product, then :func:`add_lora_linear`)."""
+    if x.ndim == 2:
+        groups = _step_groups(self.punica_wrapper, x.size(0))
+        if len(groups) == 1 and groups[0][1] is None:
+            linear = merged_linear(self, groups[0][0])
+            if linear is not None:
+                return linear(x, bias)
+    return _VLLMS["_apply_sync"](self, x, bias)
+
+
 def _step_groups(wrapper: Any, rows: int) -> list[TokenGroup]:
     """:func:`token_groups` of this step's tokens, computed once per step (the wrapper's
     metadata update clears it) for the first ``rows`` tokens."""
@@ -230,6 +329,11 @@ def install() -> bool:
     wrapper.add_lora_linear = add_lora_linear
     if not getattr(wrapper.update_metadata, "_span_wrapped", False):
         wrapper.update_metadata = _clearing_groups(wrapper.update_metadata)
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    if BaseLinearLayerWithLoRA._apply_sync is not apply_sync:
+        _VLLMS["_apply_sync"] = BaseLinearLayerWithLoRA._apply_sync
+        BaseLinearLayerWithLoRA._apply_sync = apply_sync
     return True
 
 
@@ -243,10 +347,16 @@ def restore_vllms() -> None:
         setattr(punica_cpu, name, getattr(torch_ops, name))
     if "add_lora_linear" in _VLLMS:
         punica_cpu.PunicaWrapperCPU.add_lora_linear = _VLLMS["add_lora_linear"]
+    if "_apply_sync" in _VLLMS:
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+        BaseLinearLayerWithLoRA._apply_sync = _VLLMS["_apply_sync"]
 
 
 #: vLLM's methods that :func:`install` replaced, by name.
 _VLLMS: dict[str, Any] = {}
+#: ``budget``: bytes of merged weights this process may still build.
+_MERGED: dict[str, int] = {}
 
 
 __all__ = ["OPS", "add_lora_linear", "grouped_lora_matmul", "install", "restore_vllms",

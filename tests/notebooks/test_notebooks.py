@@ -1,11 +1,12 @@
-"""Every notebook in notebooks/ runs top to bottom without errors (nbclient, the venv's kernel).
+"""Every notebook in notebooks/ runs top to bottom without errors.
 
-The notebooks on the embedded engine run one after the other in **one** kernel, as a user
-working through them does: each asks for the kernel's ``default_engine()``, so vLLM starts
-once for all of them (the first notebook pays it). ``05_server`` starts and stops a server of
-its own, which is its point, so it gets a kernel of its own. Kernels are separate processes:
-the session's shared engine is not touched. The ``python3`` kernel is the running
-interpreter: jupyter_client launches the native kernel spec with ``sys.executable``.
+The notebooks on the embedded engine run one after the other in **one** IPython shell inside
+this process, as a user working through them in one kernel does: each asks for
+``default_engine()``, which here is the session's shared engine (the ``engine`` fixture), so
+they start no vLLM of their own. ``05_server`` is about calling a server: it runs in a real
+Jupyter kernel (nbclient, the venv's ``python3`` kernel spec) against the session's shared
+server, which it is pointed at with ``SPAN_WORKFLOWS_SERVER`` (a user without one set gets a
+server the notebook starts and stops itself).
 """
 
 from __future__ import annotations
@@ -13,29 +14,40 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+from shared_server import API_KEY
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 CELL_TIMEOUT_S = 180
-#: Notebooks that need a kernel of their own (they start and stop a server: their point).
-OWN_KERNEL = {"05_server.ipynb"}
+#: Notebooks that run in a Jupyter kernel of their own, against the shared server.
+IN_A_KERNEL = {"05_server.ipynb"}
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def shared_kernel():  # type: ignore[no-untyped-def]
-    """One kernel for the notebooks on the embedded engine, shut down after the last."""
-    from jupyter_client.manager import KernelManager
+def shell(engine: Any) -> Any:
+    """One IPython shell for the notebooks on the embedded engine, whose
+    ``default_engine()`` is the session's engine."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
 
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel(cwd=str(NOTEBOOKS))
-    try:
-        yield manager
-    finally:
-        manager.shutdown_kernel(now=True)
+    from span_workflows.runner import set_default_engine
+
+    set_default_engine(engine)
+    config = Config()
+    config.HistoryManager.enabled = False  # no history database in the user's home
+    return InteractiveShell(config=config)  # a shell of its own, not the process-wide one
+
+
+def _code_cells(path: Path) -> list[str]:
+    import nbformat
+
+    book = nbformat.read(path, as_version=4)
+    return [cell.source for cell in book.cells if cell.cell_type == "code"]
 
 
 def test_there_are_notebooks():
@@ -43,27 +55,39 @@ def test_there_are_notebooks():
     assert {"01_quickstart.ipynb", "04_judge_generator.ipynb", "05_server.ipynb"} <= names
 
 
-@pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
-def test_notebook_runs(path: Path, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("path", [p for p in PATHS if p.name not in IN_A_KERNEL],
+                         ids=lambda p: p.stem)
+def test_notebook_runs(path: Path, request: pytest.FixtureRequest,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    shell = request.getfixturevalue("shell")
+    monkeypatch.chdir(path.parent)  # as Jupyter starts a notebook's kernel
+    started = time.perf_counter()
+    for number, source in enumerate(_code_cells(path), start=1):
+        result = shell.run_cell(source, store_history=False, silent=False)
+        error = result.error_before_exec or result.error_in_exec
+        assert result.success, f"{path.name}, code cell {number}: {error!r}"
+    print(f"{path.name}: {time.perf_counter() - started:.0f} s")
+
+
+def test_the_server_notebook_runs_in_a_kernel(shared_server: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import nbformat
     from nbclient import NotebookClient
 
+    path = NOTEBOOKS / "05_server.ipynb"
+    monkeypatch.setenv("SPAN_WORKFLOWS_SERVER", shared_server.url)  # the kernel inherits it
+    monkeypatch.setenv("SPAN_WORKFLOWS_API_KEY", API_KEY)
     book = nbformat.read(path, as_version=4)
-    kernel = None if path.name in OWN_KERNEL else request.getfixturevalue("shared_kernel")
-    client = NotebookClient(
-        book, timeout=CELL_TIMEOUT_S, kernel_name="python3", km=kernel,
-        resources={"metadata": {"path": str(path.parent)}},
-    )
-    started = time.perf_counter()
+    client = NotebookClient(book, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError on the first failing cell
-    elapsed = time.perf_counter() - started
-    errors = [
-        out for cell in book.cells if cell.cell_type == "code"
-        for out in cell.get("outputs", []) if out.get("output_type") == "error"
-    ]
-    assert not errors
-    print(f"{path.name}: {elapsed:.0f} s")
-    keep = os.environ.get("NOTEBOOK_OUTPUT_DIR")  # to look at the executed notebooks
+    outputs = [out for cell in book.cells if cell.cell_type == "code"
+               for out in cell.get("outputs", [])]
+    assert not [out for out in outputs if out.get("output_type") == "error"]
+    printed = "".join(out.get("text", "") for out in outputs)
+    assert f"using the server at {shared_server.url}" in printed
+    assert "span_" in printed  # the span counters of /metrics
+    keep = os.environ.get("NOTEBOOK_OUTPUT_DIR")  # to look at the executed notebook
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
         nbformat.write(book, Path(keep) / path.name)

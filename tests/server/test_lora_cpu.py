@@ -151,3 +151,74 @@ def test_token_groups_follow_each_metadata_update():
     assert lora_cpu.install()
     assert getattr(punica_cpu.PunicaWrapperCPU.update_metadata, "_span_wrapped", False)
     assert punica_cpu.PunicaWrapperCPU.add_lora_linear is lora_cpu.add_lora_linear
+
+
+class _Layer:
+    """The part of a LoRA linear layer that :func:`lora_cpu.apply_sync` reads: a base layer
+    whose weight vLLM's CPU GEMM dispatch packed away, stacked A/B and the wrapper."""
+
+    def __init__(self, indices: list[int], slices: tuple[int, ...]) -> None:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        self.weight = torch.randn(sum(slices), HIDDEN, generator=torch.Generator().manual_seed(30))
+        self.base_layer = torch.nn.Module()
+        self.base_layer.weight = torch.nn.Parameter(self.weight.clone(), requires_grad=False)
+        dispatch_cpu_unquantized_gemm(self.base_layer, remove_weight=True)
+        self.output_slices = slices
+        self.lora_a_stacked = tuple(_weights(31 + i, RANK, HIDDEN) for i in range(len(slices)))
+        self.lora_b_stacked = tuple(_weights(41 + i, w, RANK) for i, w in enumerate(slices))
+        self.punica_wrapper = _Wrapper(indices)
+
+
+def test_the_base_weight_is_read_back_from_vllms_packed_gemm_exactly():
+    layer = _Layer([0], (24, 8, 8))
+    assert layer.base_layer.weight.numel() in (0, layer.weight.numel())
+    assert torch.equal(lora_cpu._base_weight(layer), layer.weight)
+
+
+def test_a_one_adapter_step_runs_on_merged_weights_equal_to_base_plus_lora(monkeypatch):
+    """Every token on slot 1: one product with ``W + B·A``, equal (to rounding) to the base
+    product plus the per-token LoRA formula; vLLM's path is not called."""
+    slices = (24, 8, 8)
+    layer = _Layer([1, 1, 1, 1], slices)
+    monkeypatch.setitem(lora_cpu._VLLMS, "_apply_sync", lambda *a: pytest.fail("vLLM's path"))
+    x = torch.randn(4, HIDDEN, generator=torch.Generator().manual_seed(32))
+    expected = _per_token_reference(x @ layer.weight.t(), x, layer.lora_a_stacked,
+                                    layer.lora_b_stacked, 1.0, slices, [1, 1, 1, 1])
+    torch.testing.assert_close(lora_cpu.apply_sync(layer, x), expected, rtol=1e-4, atol=1e-4)
+    first = lora_cpu.merged_linear(layer, 1)
+    assert lora_cpu.merged_linear(layer, 1) is first  # built once per slot
+
+
+def test_a_slot_loaded_anew_is_merged_anew_and_mixed_steps_take_vllms_path(monkeypatch):
+    slices = (OUT,)
+    layer = _Layer([0, 0], slices)
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(33))
+    before = lora_cpu.apply_sync(layer, x)
+    layer.lora_b_stacked[0][0].copy_(_weights(34, OUT, RANK)[0])  # another adapter in slot 0
+    after = lora_cpu.apply_sync(layer, x)
+    expected = _per_token_reference(x @ layer.weight.t(), x, layer.lora_a_stacked,
+                                    layer.lora_b_stacked, 1.0, slices, [0, 0])
+    torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before, after)
+    calls = []
+    monkeypatch.setitem(lora_cpu._VLLMS, "_apply_sync", lambda self, x, bias: calls.append(x))
+    for indices in ([0, -1], [0, 1], [-1, -1]):  # mixed, two adapters, base only
+        layer.punica_wrapper = _Wrapper(indices)
+        layer.punica_wrapper._span_groups = None
+        lora_cpu.apply_sync(layer, x)
+    assert len(calls) == 3
+
+
+def test_no_merge_beyond_the_memory_budget(monkeypatch):
+    layer = _Layer([0, 0], (OUT,))
+    monkeypatch.setitem(lora_cpu._MERGED, "budget", layer.weight.numel())  # < its bytes
+    read = []
+    monkeypatch.setattr(lora_cpu, "_base_weight", lambda layer: read.append(1))
+    assert lora_cpu.merged_linear(layer, 0) is None
+    assert lora_cpu.merged_linear(layer, 0) is None
+    assert read == []  # over budget: the base weight is not even read back, step after step
+    calls = []
+    monkeypatch.setitem(lora_cpu._VLLMS, "_apply_sync", lambda self, x, bias: calls.append(1))
+    lora_cpu.apply_sync(layer, torch.randn(2, HIDDEN))
+    assert calls == [1]
