@@ -66,6 +66,9 @@ KEY_ENV = "SPAN_VLLM_LAYOUT_KEY"
 #: When set, a file every engine core appends one line to (``pid<TAB>model``) as it starts,
 #: in whatever process it runs: how a test suite or a deployment counts vLLM start-ups.
 START_LOG_ENV = "SPAN_VLLM_START_LOG"
+#: MiB of LoRA weights merged for one-adapter steps that a CPU engine process may hold
+#: (default 1024; ``0``: never merge, every step takes the grouped LoRA products).
+LORA_MERGE_ENV = "SPAN_VLLM_LORA_MERGE_MIB"
 #: ``SamplingParams.extra_args`` key of a request's span layout.
 LAYOUT_KEY = "span_layout"
 
@@ -183,6 +186,7 @@ def tag_args(tag: str) -> dict[str, object]:
 __all__ = [
     "ALIGN_KEY", "ALIGN_PROCESSOR", "ANCHORED", "BIAS_DEFAULTS", "DEFAULT_KV_CACHE_GIB",
     "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV", "LAYOUT_KEY", "LOGITS_PROCESSORS",
+    "LORA_MERGE_ENV",
     "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "START_LOG_ENV", "STATS_CALL", "STAT_HELP",
     "STEPS_CALL", "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "adapter_digest",
     "align_args", "enable", "enabled", "layout_args", "layout_key", "note_start", "tag_args",

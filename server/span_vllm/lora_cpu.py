@@ -24,7 +24,7 @@ LoRA products at all: :func:`apply_sync` (``BaseLinearLayerWithLoRA._apply_sync`
 step on the layer's weights merged with that adapter's update, ``W + B·A``, one product as
 fast as the base's, through the same CPU GEMM vLLM picks for the base
 (``dispatch_cpu_unquantized_gemm``). The merged weights are built when a slot first serves a
-step, rebuilt when the slot is loaded anew, and capped in memory (:data:`MERGE_BUDGET_ENV`,
+step, rebuilt when the slot is loaded anew, and capped in memory (:data:`LORA_MERGE_ENV`,
 default 1 GiB per process; beyond it, steps take the grouped path). Steps that mix adapters,
 or the base and an adapter, take the grouped path.
 """
@@ -37,8 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Environment variable: MiB of merged single-adapter weights a process may hold (0: none).
-MERGE_BUDGET_ENV = "SPAN_VLLM_LORA_MERGE_MIB"
+from span_vllm.contract import LORA_MERGE_ENV
+
+#: MiB of merged one-adapter weights a process may hold unless :data:`LORA_MERGE_ENV` says.
 DEFAULT_MERGE_BUDGET_MIB = 1024
 
 #: The op names ``vllm.lora.punica_wrapper.punica_cpu`` imports and :func:`install` replaces.
@@ -236,7 +237,7 @@ def _base_weight(layer: Any) -> torch.Tensor | None:
 def _merge_budget() -> int:
     """Bytes of merged weights this process may still build."""
     if "budget" not in _MERGED:
-        mib = int(os.environ.get(MERGE_BUDGET_ENV, DEFAULT_MERGE_BUDGET_MIB))
+        mib = int(os.environ.get(LORA_MERGE_ENV, DEFAULT_MERGE_BUDGET_MIB))
         _MERGED["budget"] = mib * 2**20
     return _MERGED["budget"]
 

@@ -1,14 +1,16 @@
 """``span-workflows bench lora``: what serving the span-ready adapter as LoRA costs.
 
-Five configurations, each in an engine of its own (one process each, one after the other in
+Six configurations, each in an engine of its own (one process each, one after the other in
 one run), the same prompts in stock form (full attention, no spans, prefix cache reset before
 every prompt):
 
 * ``base`` — the base model alone, LoRA off (what ``Engine(adapters={})`` runs);
 * ``base in LoRA engine`` — the base's requests in the default engine, which also serves the
   adapter (LoRA layers present, no adapter applied);
-* ``adapter as LoRA`` — the adapter's requests in the default engine (the plugin's grouped
-  LoRA ops, :mod:`span_vllm.lora_cpu`);
+* ``adapter as LoRA`` — the adapter's requests in the default engine (the plugin's LoRA
+  ops, :mod:`span_vllm.lora_cpu`: a step of one adapter on merged weights);
+* ``adapter as LoRA, grouped ops`` — the same with merging off (``SPAN_VLLM_LORA_MERGE_MIB=0``:
+  every step computes the LoRA products, grouped by adapter, as a step mixing weights does);
 * ``adapter as LoRA, vLLM's ops`` — the same with vLLM's own CPU LoRA ops;
 * ``merged`` — the merged span-ready checkpoint alone (``Engine("smollm2-135m-instruct-span")``).
 
@@ -26,17 +28,20 @@ import subprocess
 import sys
 from typing import Any
 
-#: configuration -> (engine model, engine adapters default?, weights asked, vLLM's ops)
-CONFIGS: dict[str, tuple[str | None, bool, str | None, bool]] = {
-    "base": (None, False, None, False),
-    "base in LoRA engine": (None, True, "base", False),
-    "adapter as LoRA": (None, True, "adapter", False),
-    "adapter as LoRA, vLLM's ops": (None, True, "adapter", True),
-    "merged": ("smollm2-135m-instruct-span", False, None, False),
+#: configuration -> (engine model, engine adapters default?, weights asked, LoRA ops: the
+#: plugin's, the plugin's with merging off, or vLLM's)
+CONFIGS: dict[str, tuple[str | None, bool, str | None, str]] = {
+    "base": (None, False, None, "plugin"),
+    "base in LoRA engine": (None, True, "base", "plugin"),
+    "adapter as LoRA": (None, True, "adapter", "plugin"),
+    "adapter as LoRA, grouped ops": (None, True, "adapter", "grouped"),
+    "adapter as LoRA, vLLM's ops": (None, True, "adapter", "vllm"),
+    "merged": ("smollm2-135m-instruct-span", False, None, "plugin"),
 }
 #: which configuration each one is compared with
 REFERENCE = {"base": "base", "base in LoRA engine": "base", "adapter as LoRA": "merged",
-             "adapter as LoRA, vLLM's ops": "merged", "merged": "merged"}
+             "adapter as LoRA, grouped ops": "merged", "adapter as LoRA, vLLM's ops": "merged",
+             "merged": "merged"}
 DECODE_TOKENS = 64
 DECODE_BATCH = 8
 
@@ -47,14 +52,17 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
     import random
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from span_vllm.contract import LORA_MERGE_ENV
     from span_workflows.apps.bench.provenance import provenance
     from span_workflows.builders import g, user
     from span_workflows.engine import Engine
     from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 
-    model, with_adapters, weights, vllm_ops = CONFIGS[config]
+    model, with_adapters, weights, ops = CONFIGS[config]
+    if ops == "grouped":
+        os.environ[LORA_MERGE_ENV] = "0"
     engine = Engine(model, adapters=None if with_adapters else {}, load_progress=False)
-    if vllm_ops:
+    if ops == "vllm":
         from span_vllm import restore_vllm_lora_ops
 
         restore_vllm_lora_ops()
