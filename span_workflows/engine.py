@@ -66,7 +66,7 @@ from span_workflows.render import ChatRenderer
 from span_workflows.result import BulkAnswer, Metrics, Result
 from span_workflows.routing import Adapter, Route, WeightsRouter, lora_options, on_weights
 from span_workflows.streaming import AsyncTextStream, PartStream, TextStream
-from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
+from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt, warm_up
 
 
 class Engine:
@@ -166,8 +166,10 @@ class Engine:
         )
         self._engine = self._llm.llm_engine
         self._loras = {name: a.lora_request() for name, a in self.router.adapters.items()}
-        for lora in self._loras.values():  # loaded now, not on the first request
+        for lora in self._loras.values():  # loaded (and warmed) now, not on the first request
             self._engine.add_lora(lora)
+            prompt, params = warm_up(self.tokenizer.eos_token_id or 0)
+            self._llm.generate([prompt], params, lora_request=lora, use_tqdm=False)
         self.max_model_len = self._engine.model_config.max_model_len
         blocks = self._engine.vllm_config.cache_config.num_gpu_blocks or kv_cache_blocks or 0
         #: the KV cache's size in tokens (blocks the engine allocated x block size)

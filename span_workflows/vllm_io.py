@@ -71,6 +71,17 @@ def sampling_params(req: Request, layout_key: str,
     )
 
 
+def warm_up(token_id: int) -> tuple[dict[str, Any], Any]:
+    """A one-token request (prompt ``[token_id]``, greedy, one token out) to run once on each
+    adapter when an engine or server starts: the work a LoRA's first step does once (on CPU
+    the plugin merges it into the base's weights, about 5 s for SmolLM2-135M) then happens at
+    start, not in a user's first time-to-first-token. Its single token fills no block, so it
+    leaves nothing in the prefix cache."""
+    from vllm import SamplingParams
+
+    return {"prompt_token_ids": [int(token_id)]}, SamplingParams(max_tokens=1, temperature=0.0)
+
+
 @dataclass
 class RequestRun:
     """One request in flight: feed it every ``RequestOutput`` (:meth:`see`), then ask for its

@@ -242,6 +242,11 @@ def _merge_budget() -> int:
     return _MERGED["budget"]
 
 
+def merges_built() -> int:
+    """How many merged layer weights this process has built (each rebuilt one counted again)."""
+    return _MERGED.get("built", 0)
+
+
 def merged_linear(layer: Any, slot: int) -> Any:
     """A ``linear(x, bias)`` computing ``layer``'s base product plus adapter ``slot``'s
     update in one GEMM, or ``None`` where that cannot be built (no readable base weight, the
@@ -272,6 +277,7 @@ def merged_linear(layer: Any, slot: int) -> Any:
     holder.weight = torch.nn.Parameter(weight + update.to(weight.dtype), requires_grad=False)
     dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
     _MERGED["budget"] = _merge_budget() - size
+    _MERGED["built"] = _MERGED.get("built", 0) + 1
 
     def linear(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return holder.cpu_linear(x, holder.weight, bias)

@@ -46,6 +46,7 @@ from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
 from span_workflows.serving.service import SpanQueryService, StreamedRun
 from span_workflows.serving.spnl_route import openai_form_response, url_options
 from span_workflows.streaming import PartStream
+from span_workflows.vllm_io import warm_up
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -309,6 +310,11 @@ async def run(args: Namespace) -> None:
             service = SpanQueryService(engine_client, tokenizer, block_size,
                                        int(model_config.max_model_len), contract.layout_key(),
                                        SpanOptions.coerce(defaults or None), router, loras)
+            for name, lora in loras.items():  # warmed before /health answers
+                prompt, params = warm_up(tokenizer.eos_token_id or 0)
+                async for _ in engine_client.generate(prompt, params, f"span-warm-up-{name}",
+                                                      lora_request=lora):
+                    pass
             install(app, service, max_body=args.span_max_body)
             shutdown_task = await serve_http(
                 app,

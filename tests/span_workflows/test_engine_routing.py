@@ -120,3 +120,14 @@ def test_the_adapter_as_lora_computes_what_the_merged_checkpoint_does(engine) ->
     expected = [float(reference[i, t]) for i, t in enumerate(answer.token_ids)]
     assert len(served) == len(expected) >= 4
     assert max(abs(s - e) for s, e in zip(served, expected, strict=True)) < 1e-3
+
+
+def test_the_adapter_is_warmed_at_start_so_a_first_query_builds_no_merged_weights(engine) -> None:
+    from span_vllm import lora_cpu
+
+    built = lora_cpu.merges_built()
+    assert built > 0, "the adapter's merged weights were not built when the engine started"
+    result = engine.execute(b.rag(SYSTEM, [f"{d} (warm-up check)" for d in DOCS[:2]],
+                                  "Who owns the red house?", max_tokens=4))
+    assert result.metrics.weights == SPAN_MODEL_NAME
+    assert lora_cpu.merges_built() == built
