@@ -97,6 +97,10 @@ class Engine:
     ``num_gpu_blocks_override``: a small cache for tests and benchmarks; the context is then
     capped to what the cache holds unless ``max_model_len`` says otherwise); ``cache_tokens``
     is the cache's size in tokens, as the engine allocated it.
+    ``span_store`` (a directory) keeps span blocks on disk beyond the KV cache and across
+    restarts: spans computed here are written to it, and a span the cache lacks is loaded from
+    it instead of computed (:mod:`span_vllm.store`; ``span_store_gib`` caps its size, least
+    recently used blocks first). ``span-workflows index`` fills one ahead of time.
     """
 
     def __init__(
@@ -118,6 +122,8 @@ class Engine:
         align: str | None = None,
         adapters: Mapping[str, str | Path] | None = None,
         routing: bool = True,
+        span_store: str | Path | None = None,
+        span_store_gib: float | None = None,
     ) -> None:
         self.locality_fanin = locality_fanin
         self.model_dir = resolve_model(None if model is None else str(model), progress=progress)
@@ -163,6 +169,7 @@ class Engine:
             # The plugin's block alignment of nested outputs (align="pad"/"bias").
             logits_processors=list(contract.LOGITS_PROCESSORS),
             **lora_options(self.router.adapters.values()),
+            **store_options(span_store, span_store_gib),
         )
         self._engine = self._llm.llm_engine
         self._loras = {name: a.lora_request() for name, a in self.router.adapters.items()}
@@ -544,6 +551,21 @@ def engine_options(span_options: SpanOptions | str | None = None, *, align: str 
     if align is None and crop is not None:
         align = "crop" if crop else "recompute"
     return options if align is None else dataclasses.replace(options, align=align)
+
+
+def store_options(span_store: str | Path | None, span_store_gib: float | None
+                  ) -> dict[str, Any]:
+    """vLLM engine arguments for a span store at ``span_store`` (none without one)."""
+    if span_store is None:
+        if span_store_gib is not None:
+            raise ValueError("span_store_gib needs span_store (the store's directory)")
+        return {}
+    if span_store_gib is not None and span_store_gib <= 0:
+        raise ValueError(f"span_store_gib must be > 0, got {span_store_gib}")
+    from vllm.config import KVTransferConfig
+
+    return {"kv_transfer_config": KVTransferConfig(
+        **contract.store_transfer_config(span_store, max_gib=span_store_gib))}
 
 
 def _prepare_environment(kv_cache_gib: int) -> str:

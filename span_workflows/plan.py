@@ -127,7 +127,8 @@ class Output:
     finished: float
     first_logprobs: dict[int, float] = field(default_factory=dict)
     #: the request was aborted after its first step: its cache hits fell short of
-    #: ``Request.min_cached`` (a prepared span was evicted before it was used)
+    #: ``Request.min_cached`` (a prepared span was evicted before it was used), or the engine
+    #: failed it before its first token (a span store block could not be loaded)
     short: bool = False
     #: why each sample ended: ``"stop"`` (end of turn or a stop sequence) or ``"length"``
     finish_reasons: list[str] = field(default_factory=list)
@@ -371,6 +372,9 @@ class Planner:
             [out] = yield [final]
             if not out.short:
                 break
+        if out.short and out.finish_reasons and out.finish_reasons[0] == "error":
+            raise RuntimeError(f"the engine failed the request {MAX_ATTEMPTS} times "
+                               "(KV blocks it was promised could not be loaded)")
         filled = 0
         if fill is not None:
             out, filled = _without_fill(out, fill, self.compiler.renderer.tokenizer)

@@ -101,10 +101,17 @@ class RequestRun:
     def see(self, out: Any, now: float) -> bool:
         """Take the request's latest (cumulative) output. Returns ``True`` when the request
         must be aborted: its first token came with fewer prompt tokens from the cache than
-        ``request.min_cached``, so a span it relies on was computed in context."""
+        ``request.min_cached``, so a span it relies on was computed in context. A request vLLM
+        failed before its first token (finish reason ``"error"``: a block the span store
+        promised could not be loaded) is short as well; it is over already."""
         self.final = out
         for o in out.outputs:
             self.samples[int(o.index)] = o
+        if self.first is None and any(o.finish_reason == "error" for o in out.outputs):
+            # vLLM failed it before its first token: a KV block promised by the span store
+            # could not be loaded (vLLM evicted it): as short as an evicted span
+            self.short = True
+            return False
         if self.first is None and any(o.token_ids for o in out.outputs):
             self.first = now
             if int(out.num_cached_tokens or 0) < self.request.min_cached:

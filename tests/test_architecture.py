@@ -27,7 +27,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"span_workflows": ROOT, "span_vllm": ROOT / "server"}
 INTEGRATIONS = ROOT / "integrations"
-PLUGIN_THIRD_PARTY = {"vllm", "torch", "triton"}
+#: vLLM (torch and Triton come with it) and the span store's checksums
+PLUGIN_THIRD_PARTY = {"vllm", "torch", "triton", "xxhash"}
 PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
 #: The library's layers, top to bottom (ARCHITECTURE.md): a module imports from its own layer
 #: (without circles) or from a lower one. ``span_workflows.apps`` stands above them all.
@@ -39,7 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                              "tune.tool_data", "tune.train"),
     "serving": ("serving", "serving.client", "serving.app", "serving.service",
                 "serving.launch", "serving.chat_route", "serving.spnl_route"),
-    "engine": ("backend", "engine", "bulk"),
+    "engine": ("backend", "engine", "bulk", "span_store"),
     "boundary": ("vllm_io", "query_body", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments", "routing", "keys"),

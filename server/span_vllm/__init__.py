@@ -23,6 +23,9 @@ Public API (everything else is private to the plugin):
   of a span prompt under the engine's chain rules, for routers outside the engine;
 * :func:`hash_blocks` ``(token_ids, block_size, hash_fn, segments=(), salt=None)`` — the
   block hashes the plugin gives a prompt under a span layout, for tools and benchmarks;
+* :func:`span_store_local` ``()`` — the span store of the engine in this process (with a
+  ``span_store``), as ``(SpanStore, block_shape, dtype)``, or ``None``; :func:`span_store_flush`
+  ``()`` waits for its queued writes (:mod:`span_vllm.store`, for tools and benchmarks);
 * :class:`RopeRotator`, :class:`CpuKeyLayout`, :class:`PagedKeyLayout` — the torch-only key
   rotation, for benchmarks and device checks;
 * ``span_vllm.align:BlockAlignLogitsProcessor`` — the vLLM v1 logits processor that fills a
@@ -47,6 +50,8 @@ if TYPE_CHECKING:
     from span_vllm.patches import probe as span_probe
     from span_vllm.patches import span_stats, span_steps
     from span_vllm.rotation import CpuKeyLayout, PagedKeyLayout, RopeRotator
+    from span_vllm.store_connector import flush_writes as span_store_flush
+    from span_vllm.store_connector import local_store as span_store_local
 
 #: Public name -> (module, attribute), imported on first use.
 _LAZY = {
@@ -59,6 +64,8 @@ _LAZY = {
     "CpuKeyLayout": ("span_vllm.rotation", "CpuKeyLayout"),
     "PagedKeyLayout": ("span_vllm.rotation", "PagedKeyLayout"),
     "restore_vllm_lora_ops": ("span_vllm.lora_cpu", "restore_vllms"),
+    "span_store_flush": ("span_vllm.store_connector", "flush_writes"),
+    "span_store_local": ("span_vllm.store_connector", "local_store"),
 }
 
 
@@ -83,4 +90,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CpuKeyLayout", "PagedKeyLayout", "RopeRotator", "contract", "hash_blocks", "register",
     "restore_vllm_lora_ops", "routing_block_keys", "span_probe", "span_stats", "span_steps",
+    "span_store_flush", "span_store_local",
 ]

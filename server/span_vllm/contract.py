@@ -110,7 +110,34 @@ STAT_HELP: dict[str, str] = {
     "deferred_hits": "requests put off a step: a hit's KV not computed yet, or no room for "
                      "the copies its hits need",
     "refused_hits": "cache hits given up (computed instead) for lack of a free block to copy to",
+    "store_hit_blocks": "KV blocks loaded from the span store instead of computed",
+    "store_bad_blocks": "span store blocks found missing, truncated, corrupt or foreign "
+                        "when loaded (never used: computed anew)",
+    "store_written_blocks": "KV blocks written to the span store",
+    "store_write_errors": "span store writes that failed (disk full or read-only)",
 }
+
+#: The span store's KV connector, as vLLM's ``kv_transfer_config`` names it.
+STORE_CONNECTOR = "SpanStoreConnector"
+STORE_CONNECTOR_MODULE = "span_vllm.store_connector"
+
+
+def store_transfer_config(path: str | Path, *, max_gib: float | None = None,
+                          write: bool = True) -> dict[str, object]:
+    """vLLM's ``kv_transfer_config`` (as a dict; ``--kv-transfer-config`` takes its JSON) for
+    an engine whose span blocks are kept in, and loaded from, the store at ``path``
+    (:mod:`span_vllm.store`); ``max_gib`` caps its size (least recently used blocks go first),
+    ``write=False`` only reads it. A block the store cannot supply after promising it (its file
+    turned out unsound) fails its request (vLLM's ``kv_load_failure_policy="fail"``): vLLM
+    evicts the block and what follows it, so nothing computed in the wrong context is cached,
+    and the planner prepares the spans and runs the request again (vLLM's ``"recompute"``
+    would recompute the block inside the request, in the wrong context for a span)."""
+    extra: dict[str, object] = {"path": str(Path(path).expanduser()), "write": bool(write)}
+    if max_gib is not None:
+        extra["max_gib"] = float(max_gib)
+    return {"kv_connector": STORE_CONNECTOR, "kv_connector_module_path": STORE_CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": extra}
 
 #: Environment a span-mode engine process runs with (defaults only; an explicit setting wins).
 VLLM_ENV_DEFAULTS: dict[str, str] = {

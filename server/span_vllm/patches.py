@@ -219,10 +219,16 @@ def _patch_scheduler(key: str) -> None:
                                 block_size, kv_cache_group_id, block_mask)
             keep = register_mask(request, layout, num_cached_blocks, num_full_blocks,
                                  block_mask)
-            return original(
+            result = original(
                 self, request, blocks, num_cached_blocks, num_full_blocks, block_size,
                 kv_cache_group_id, None if all(keep) and block_mask is None else keep,
             )
+            from span_vllm.store_connector import scheduler_connector
+
+            store = scheduler_connector()
+            if store is not None and kv_cache_group_id == 0:
+                store.note_registered(request, layout, blocks, num_cached_blocks, keep)
+            return result
 
         return cache_full_blocks
 
@@ -248,11 +254,16 @@ def register_mask(request: Any, layout: Any, num_cached_blocks: int, num_full_bl
     A span block computed inside a larger request attended to more than its hash says (its
     sibling spans, or a prefix for an isolated span), so it is kept out; and so is *every later
     block of the request*, which attended to it in turn. The first such block is remembered on
-    the request (``_span_tainted_from``), so later calls keep refusing.
+    the request (``_span_tainted_from``), so later calls keep refusing. Blocks loaded from the
+    span store (``_span_loaded``) hold their span's own KV, like cache hits: they taint nothing.
     """
     tainted = getattr(request, "_span_tainted_from", None)
+    loaded = getattr(request, "_span_loaded", range(0))  # from the span store: as if cached
     keep: list[bool] = []
     for offset, index in enumerate(range(num_cached_blocks, num_full_blocks)):
+        if index in loaded:
+            keep.append(tainted is None and (block_mask is None or block_mask[offset]))
+            continue
         if layout.is_span(index):
             STATS.miss_blocks += 1
         if tainted is None and layout.computed_in_context(index):
@@ -387,7 +398,9 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None,
           lora: Sequence[Any] | None = None) -> list[bool]:
     """For each prompt (``[token_ids, segments]``, hashed as a request with that layout,
     ``cache_salt`` and LoRA adapter ``lora`` = ``[lora_int_id, lora_path]``, ``None`` for the
-    base weights), whether all its full blocks are in the prefix cache right now.
+    base weights), whether all its full blocks are in the prefix cache right now, or in the
+    span store (the request then loads them; should one be gone by then, its cached tokens
+    fall short and the planner prepares it and retries).
 
     Public as ``span_vllm.span_probe``; ``engine_core`` is vLLM's ``EngineCore`` in this
     process. Other processes ask the engine core with the ``span_probe`` utility call, which
@@ -395,13 +408,19 @@ def probe(engine_core: Any, prompts: list[Any], salt: str | None = None,
     hash_fn = _hashing.get("hash_fn")
     if hash_fn is None:
         return [False] * len(prompts)
+    from span_vllm.store_connector import scheduler_connector
+
     pool = engine_core.scheduler.kv_cache_manager.block_pool
+    connector = scheduler_connector()
+    store = connector.store if connector is not None else None
     keys = _extra_keys(salt, None if not lora else weights_key(int(lora[0]), str(lora[1])))
     answers = []
     for tokens, segments in prompts:
         hashes = hash_blocks(tokens, _hashing["block_size"], hash_fn, segments, salt=salt,
                              extra_keys=keys)
-        answers.append(bool(hashes) and all(pool.get_cached_block(h, [0]) for h in hashes))
+        answers.append(bool(hashes) and all(
+            pool.get_cached_block(h, [0]) or (store is not None and store.has(bytes(h)))
+            for h in hashes))
     return answers
 
 

@@ -16,6 +16,10 @@ class SpanStats:
     unregistered_blocks: int = 0
     deferred_hits: int = 0
     refused_hits: int = 0
+    store_hit_blocks: int = 0
+    store_bad_blocks: int = 0
+    store_written_blocks: int = 0
+    store_write_errors: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """A plain dict copy of the counters."""

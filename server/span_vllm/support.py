@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from span_vllm.contract import STORE_CONNECTOR
+
 #: What to tell a user whose model is refused.
 ADVICE = ("serve this model without span mode (unset SPAN_VLLM), or pick a model with full "
           "attention and RoPE only")
@@ -51,9 +53,11 @@ def refuse(problems: Sequence[str], stage: str) -> None:
 def engine_problems(vllm_config: Any) -> list[str]:
     """Engine features that move or fill KV blocks behind the span position tracker."""
     problems = []
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None and getattr(transfer, "kv_connector", None) != STORE_CONNECTOR:
         problems.append("a KV connector (--kv-transfer-config) loads KV blocks computed "
-                        "elsewhere, at positions span mode does not track")
+                        "elsewhere, at positions span mode does not track (the span store's "
+                        f"{STORE_CONNECTOR} is the one it supports)")
     parallel = getattr(vllm_config, "parallel_config", None)
     for name, flag in (("decode_context_parallel_size", "--decode-context-parallel-size"),
                        ("prefill_context_parallel_size", "--prefill-context-parallel-size")):

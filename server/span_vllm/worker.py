@@ -84,7 +84,18 @@ def build_rotation(runner: Any) -> WorkerRotation:
         rope = None
     refuse(problems, "worker model check")
     assert rope is not None and layout is not None
-    return WorkerRotation(rope.rotator(), layout, caches, fp8, rope, backend)
+    rotation = WorkerRotation(rope.rotator(), layout, caches, fp8, rope, backend)
+    _ACTIVE[:] = [rotation]
+    return rotation
+
+
+def active_rotation() -> WorkerRotation | None:
+    """The rotation of the model runner last checked in this process (the span store's
+    loader rotates loaded blocks with it), if any."""
+    return _ACTIVE[0] if _ACTIVE else None
+
+
+_ACTIVE: list[WorkerRotation] = []
 
 
 def _backend_name(runner: Any) -> str:

@@ -87,6 +87,8 @@ def server_command(
     device: str | None = None,
     adapters: Mapping[str, str | Path] | None = None,
     routing: bool = True,
+    span_store: str | Path | None = None,
+    span_store_gib: float | None = None,
 ) -> list[str]:
     """The command line of the server (see :func:`serve`).
 
@@ -95,7 +97,10 @@ def server_command(
     but what is asked. ``adapters`` (``{name: directory}``; default: the span-ready adapter
     on the bundled base, none on other models) are served as LoRA beside the model
     (:func:`adapter_args`); ``routing=False`` keeps span queries on the base unless they
-    name an adapter. ``extra_args`` go last, so any vLLM option there wins."""
+    name an adapter. ``span_store`` (a directory; ``span_store_gib`` caps it) keeps span
+    blocks on disk beyond the KV cache and across restarts (vLLM's ``--kv-transfer-config``
+    with the plugin's store connector, :func:`span_vllm.contract.store_transfer_config`).
+    ``extra_args`` go last, so any vLLM option there wins."""
     reference, _ = model_reference(model)
     on_cpu = (device or detect_device()) == "cpu"
     if block_size is None and on_cpu:
@@ -120,6 +125,11 @@ def server_command(
     cmd += adapter_args(model, adapters)
     if not routing:
         cmd += ["--no-span-routing"]
+    if span_store is not None:
+        import json
+
+        cmd += ["--kv-transfer-config", json.dumps(
+            contract.store_transfer_config(span_store, max_gib=span_store_gib))]
     if model is None or str(model).lower() in BUNDLED_MODELS:
         # A bundled model answers to its short name as well as to its path.
         cmd += ["--served-model-name", reference,
@@ -170,6 +180,8 @@ def serve(
     extra_args: Sequence[str] = (),
     adapters: Mapping[str, str | Path] | None = None,
     routing: bool = True,
+    span_store: str | Path | None = None,
+    span_store_gib: float | None = None,
 ) -> None:
     """Run the span server in the foreground until interrupted (replaces this process).
 
@@ -177,11 +189,12 @@ def serve(
     a hub id (``meta-llama/Llama-3.1-8B-Instruct``). ``extra_args`` are passed to vLLM's
     server as is, after the defaults (e.g. ``["--tensor-parallel-size", "2", "--dtype",
     "bfloat16"]``); ``block_size=None`` means 32 on CPU, vLLM's default on a GPU.
-    ``adapters`` and ``routing``: see :func:`server_command`.
+    ``adapters``, ``routing``, ``span_store`` and ``span_store_gib``: see
+    :func:`server_command`.
     Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an unknown model.
     """
     cmd = server_command(model, host, port, None, block_size, extra_args, adapters=adapters,
-                         routing=routing)
+                         routing=routing, span_store=span_store, span_store_gib=span_store_gib)
     env = server_env(model, kv_cache_gib, api_key=api_key)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -202,19 +215,22 @@ def start_server_process(
     max_model_len: int | None = None,
     adapters: Mapping[str, str | Path] | None = None,
     routing: bool = True,
+    span_store: str | Path | None = None,
+    span_store_gib: float | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start the server in the background; return ``(process, url)`` once ``/health`` is 200.
 
     ``port=None`` picks a free port. The process leads its own process group: stop it with
     :func:`stop_server_process` (which also ends the engine processes it started). Output goes
     to ``log_path`` (default: discarded). Raises :class:`ServerStartError` if the process exits
-    or is not healthy within ``timeout`` seconds (it is stopped then). ``adapters`` and
-    ``routing``: see :func:`server_command`.
+    or is not healthy within ``timeout`` seconds (it is stopped then). ``adapters``,
+    ``routing``, ``span_store`` and ``span_store_gib``: see :func:`server_command`.
     """
 
     port = free_port(host) if port is None else int(port)
     cmd = server_command(model, host, port, None, block_size, extra_args,
-                         max_model_len=max_model_len, adapters=adapters, routing=routing)
+                         max_model_len=max_model_len, adapters=adapters, routing=routing,
+                         span_store=span_store, span_store_gib=span_store_gib)
     env = server_env(model, kv_cache_gib, api_key=api_key)
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 #: The benchmarks, by name.
 BENCHMARKS = ("rag", "nested", "reposition", "compile", "locality", "needle", "quality",
-              "route", "lint", "bulk", "lora")
+              "route", "lint", "bulk", "lora", "store")
 #: The checkout these modules belong to, and the directory of its committed results.
 REPOSITORY = Path(__file__).resolve().parents[3]
 RESULTS = REPOSITORY / "benchmarks" / "results"
@@ -161,7 +161,10 @@ def options_help() -> str:
             "  bulk        a bulk in arrival order vs random vs clustered, one engine and Ray "
             "actors (its own options: bench bulk --help)\n"
             "  lora        prefill and decode of the base and the span-ready adapter, as LoRA "
-            "and merged\n\n"
+            "and merged\n"
+            "  store       the span store: a hit from disk vs the KV cache vs stock, load GB/s, "
+            "a corpus 10x the\n"
+            "              KV cache (its own options: bench store --help)\n\n"
             "benchmark " + options)
 
 

@@ -29,6 +29,9 @@ meaningful on a shared, noisy machine even when absolute times are not.
   on one engine and on Ray actors (:mod:`span_workflows.apps.bench.bulk`).
 * ``lora`` — prefill TTFT and decode throughput of the base and of the span-ready adapter,
   as LoRA beside the base and merged (:mod:`span_workflows.apps.bench.lora`).
+* ``store`` — the span store: a new combination's TTFT from the store vs the KV cache vs
+  stock, load throughput, and a corpus 10x the KV cache
+  (:mod:`span_workflows.apps.bench.store`).
 """
 
 from __future__ import annotations
@@ -219,6 +222,10 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         from span_workflows.apps.bench.bulk import run_bulk_bench
 
         return run_bulk_bench(argv)
+    if name == "store":
+        from span_workflows.apps.bench.store import run_store
+
+        return run_store(list(argv))
     from span_workflows.apps.bench.options import BENCHMARKS, bench_parser
 
     parser = bench_parser(name)

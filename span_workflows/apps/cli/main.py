@@ -17,6 +17,7 @@ from pathlib import Path
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Generate, Node, iter_nodes, rewrite_bottom_up
 from span_workflows.json_ir import from_json
+from span_workflows.span_store import DEFAULT_INDEX_SYSTEM
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -102,6 +103,26 @@ def _parser() -> argparse.ArgumentParser:
     _add_bulk_options(run)
     run.set_defaults(func=_cmd_run)
 
+    index = sub.add_parser(
+        "index", help="compute every document's span once into a span store on disk",
+        description="Each document (a JSONL line: a string or {\"text\": ..., \"source\": "
+                    "...}) is computed as a plus span after --system, on the weights span "
+                    "queries run on, and written to --store. An engine or server started with "
+                    "the same --span-store then loads those spans instead of computing them. "
+                    "Documents already in the store are loaded, not computed again.",
+        parents=[common])
+    index.add_argument("corpus", type=Path, help="documents, one JSON value per line")
+    index.add_argument("--store", required=True, type=Path, help="the span store's directory")
+    index.add_argument("--system", default=DEFAULT_INDEX_SYSTEM,
+                       help="the system prompt your queries put before their documents "
+                            f"(default: {DEFAULT_INDEX_SYSTEM!r})")
+    index.add_argument("--store-gib", type=float, default=None,
+                       help="cap the store at this size (least recently used blocks go first)")
+    index.add_argument("--batch-size", type=int, default=8,
+                       help="documents computed together (default: 8)")
+    index.add_argument("--model", help="bundled name or local HF model directory")
+    index.set_defaults(func=_cmd_index)
+
     comp = sub.add_parser("compile", help="print the optimized tree and token form",
                           parents=[common])
     comp.add_argument("files", nargs="+", type=Path, help="span queries in JSON (spnl's IR)")
@@ -136,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="serve the model alone (no LoRA, not even the bundled adapter)")
     serve.add_argument("--no-routing", action="store_true",
                        help="keep span queries on the base unless they name an adapter")
+    serve.add_argument("--span-store", type=Path, default=None,
+                       help="keep span blocks in this directory beyond the KV cache and across "
+                            "restarts (see `span-workflows index`)")
+    serve.add_argument("--span-store-gib", type=float, default=None,
+                       help="cap the span store at this size (least recently used go first)")
     _add_replica_options(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -563,7 +589,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     serve(model=args.model, host=args.host, port=args.port, api_key=api_key,
           block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
           extra_args=getattr(args, "vllm_args", []), adapters=_adapters(args),
-          routing=not args.no_routing)
+          routing=not args.no_routing, span_store=args.span_store,
+          span_store_gib=_store_gib(args.span_store, args.span_store_gib, "--span-store-gib"))
+    return 0
+
+
+def _store_gib(store: Path | None, gib: float | None, option: str) -> float | None:
+    if gib is not None and gib <= 0:
+        raise SpanQueryError(option, f"must be > 0, got {gib}")
+    if gib is not None and store is None:
+        raise SpanQueryError(option, "needs --span-store")
+    return gib
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from span_workflows.span_store import index_documents, read_corpus
+
+    docs = read_corpus(args.corpus)
+    if args.batch_size < 1:
+        raise SpanQueryError("--batch-size", f"must be at least 1, got {args.batch_size}")
+    gib = _store_gib(args.store, args.store_gib, "--store-gib")
+    from span_workflows.apps.cli.progress import engine_loading
+    from span_workflows.engine import Engine
+
+    with engine_loading():
+        engine = Engine(None if args.model is None or _is_default(args.model) else args.model,
+                        progress=True, load_progress=args.verbose, span_store=args.store,
+                        span_store_gib=gib)
+    with engine:
+        report = index_documents(engine, docs, args.system, batch_size=args.batch_size)
+    print(f"indexed {report.documents} documents into {args.store}: "
+          f"{report.computed_tokens} of {report.prompt_tokens} prompt tokens computed, "
+          f"{report.seconds:.1f} s")
     return 0
 
 

@@ -77,3 +77,30 @@ def test_a_hub_model_is_not_forced_offline(monkeypatch, tokenizer) -> None:
     env = server_env("org/model", base={})
     assert env["HF_HUB_OFFLINE"] == "0" and env["SPAN_VLLM"] == "1"
     assert server_env(None, base={})["HF_HUB_OFFLINE"] == "1"  # the bundled, local model
+
+
+def test_a_span_store_is_vllms_kv_transfer_config_with_the_plugins_connector(tmp_path) -> None:
+    import json
+
+    from vllm.config import KVTransferConfig
+
+    cmd = server_command(device="cpu", span_store=tmp_path / "store", span_store_gib=2.5)
+    config = KVTransferConfig(**json.loads(_flag(cmd, "--kv-transfer-config")))
+    assert config.kv_connector == "SpanStoreConnector"
+    assert config.kv_connector_module_path == "span_vllm.store_connector"
+    assert config.kv_role == "kv_both" and config.kv_load_failure_policy == "fail"
+    assert config.kv_connector_extra_config == {"path": str(tmp_path / "store"), "write": True,
+                                                "max_gib": 2.5}
+    assert "--kv-transfer-config" not in server_command(device="cpu")
+
+
+def test_cli_serve_passes_the_span_store_and_checks_its_cap(monkeypatch, tmp_path,
+                                                            capsys) -> None:
+    seen = {}
+    monkeypatch.setattr(serve_module, "serve", lambda **kw: seen.update(kw))
+    assert cli.main(["serve", "--span-store", str(tmp_path), "--span-store-gib", "4"]) == 0
+    assert seen["span_store"] == tmp_path and seen["span_store_gib"] == 4.0
+    assert cli.main(["serve", "--span-store-gib", "4"]) == 2
+    assert "--span-store-gib: needs --span-store" in capsys.readouterr().err
+    assert cli.main(["serve", "--span-store", str(tmp_path), "--span-store-gib", "0"]) == 2
+    assert "must be > 0" in capsys.readouterr().err

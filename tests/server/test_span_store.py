@@ -1,0 +1,180 @@
+"""The span store's files (no engine): what is read back is what was written, and nothing else.
+
+Every unsound file — truncated, corrupt, another block's, another layout's, left by a killed
+writer — reads as a miss, never as bytes; concurrent writers leave one whole file; the size cap
+evicts the least recently used blocks first; the namespace separates models and layouts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from span_vllm.store import SpanStore, model_identity, namespace
+
+SHAPE = (3, 2, 4, 8)  # layers, heads, block size, 2 x head size
+
+
+def block(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def key(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def read(store: SpanStore, k: bytes) -> tuple[int, torch.Tensor] | None:
+    return store.read(k, SHAPE, torch.float32)
+
+
+def test_a_block_reads_back_exactly_with_its_position(tmp_path: Path) -> None:
+    store = SpanStore(tmp_path, "ns")
+    payload = block(0)
+    assert store.write(key(1), 96, payload)
+    assert not store.write(key(1), 96, block(1))  # the first copy stays
+    position, back = read(store, key(1))
+    assert position == 96
+    assert torch.equal(back, payload)
+    layers = [torch.empty(SHAPE[1:]) for _ in range(SHAPE[0])]
+    assert store.read_into(key(1), layers) == 96
+    assert torch.equal(torch.stack(layers), payload)
+    assert store.stats.read_blocks == 2 and store.stats.bad_blocks == 0
+
+
+def test_a_missing_block_is_a_miss(tmp_path: Path) -> None:
+    store = SpanStore(tmp_path, "ns")
+    assert read(store, key(2)) is None
+    assert store.stats.missing_blocks == 1 and not store.has(key(2))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "extend", "garbage", "header"])
+def test_a_damaged_file_is_a_miss_and_counted(tmp_path: Path, damage: str) -> None:
+    store = SpanStore(tmp_path, "ns")
+    store.write(key(3), 0, block(3))
+    path = store.path(key(3))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 17]
+    elif damage == "flip":
+        data[-5] ^= 0x40
+    elif damage == "extend":
+        data += b"\0"
+    elif damage == "garbage":
+        data = bytearray(os.urandom(len(data)))
+    else:
+        data[len(b"SPANKV1\n") + 6] = ord("}")
+    path.write_bytes(bytes(data))
+    assert read(store, key(3)) is None
+    assert store.stats.bad_blocks == 1, store.stats.reasons
+    assert not store.has(key(3))  # removed: computed and written anew next time
+    assert store.write(key(3), 0, block(3)) and read(store, key(3)) is not None
+
+
+def test_another_blocks_file_under_a_key_is_a_miss(tmp_path: Path) -> None:
+    store = SpanStore(tmp_path, "ns")
+    store.write(key(4), 0, block(4))
+    store.path(key(5)).parent.mkdir(parents=True, exist_ok=True)
+    store.path(key(5)).write_bytes(store.path(key(4)).read_bytes())
+    assert read(store, key(5)) is None
+    assert store.stats.reasons == {"another block's file": 1}
+
+
+def test_a_block_of_another_layout_is_a_miss(tmp_path: Path) -> None:
+    store = SpanStore(tmp_path, "ns")
+    store.write(key(6), 0, block(6))
+    assert store.read(key(6), (3, 2, 4, 4), torch.float32) is None
+    store.write(key(6), 0, block(6))
+    assert store.read(key(6), SHAPE, torch.float16) is None
+    assert store.stats.reasons == {"another layout": 2}
+
+
+def _write_many(root: str, seed: int) -> None:
+    store = SpanStore(root, "ns")
+    for n in range(40):
+        store.write(key(1000 + n), n * 32, block(n))
+
+
+def test_concurrent_writers_leave_whole_files(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(str(tmp_path), s)) for s in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    store = SpanStore(tmp_path, "ns")
+    for n in range(40):
+        position, back = read(store, key(1000 + n))
+        assert position == n * 32 and torch.equal(back, block(n))
+    assert not [p for p in (tmp_path / "ns").rglob(".tmp-*")]
+
+
+def test_a_writer_killed_mid_write_leaves_a_store_that_loads(tmp_path: Path) -> None:
+    store = SpanStore(tmp_path, "ns")
+    store.write(key(7), 0, block(7))
+    # A writer that dies (SIGKILL) after writing part of a block's temporary file.
+    script = textwrap.dedent(f"""
+        import os, signal, tempfile
+        import span_vllm.store as s
+        real = os.replace
+        def die(src, dst):
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.replace = die
+        import torch
+        store = s.SpanStore({str(tmp_path)!r}, "ns")
+        store.write((8).to_bytes(32, "big"), 0, torch.ones{SHAPE!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert list((tmp_path / "ns").rglob(".tmp-*")), "the killed writer left no partial file"
+    store = SpanStore(tmp_path, "ns")
+    assert read(store, key(8)) is None and not store.has(key(8))
+    assert torch.equal(read(store, key(7))[1], block(7))
+    assert store.size_bytes() == store.path(key(7)).stat().st_size  # partial files not counted
+
+
+def test_the_cap_evicts_the_least_recently_used_blocks(tmp_path: Path) -> None:
+    one = SpanStore(tmp_path, "probe")
+    one.write(key(0), 0, block(0))
+    size = one.size_bytes()
+    store = SpanStore(tmp_path, "ns", max_bytes=int(size * 4.5))
+    for n in range(4):
+        store.write(key(n), 0, block(n))
+        os.utime(store.path(key(n)), ns=(n * 10**9, n * 10**9))  # written in this order
+    assert read(store, key(0)) is not None  # used again: now the most recent
+    store.write(key(4), 0, block(4))  # over the cap: down to 90 % of it
+    left = {n for n in range(5) if store.has(key(n))}
+    assert 0 in left and 4 in left and 1 not in left
+    assert store.size_bytes() <= int(size * 4.5)
+    assert store.stats.evicted_blocks == 5 - len(left)
+
+
+def test_the_namespace_separates_models_and_layouts(tmp_path: Path) -> None:
+    model = {"files": {"model.safetensors": "ab"}}
+    base = namespace(model, 32, torch.float32, (30, 3, 64, "cpu"))
+    assert base == namespace(dict(model), 32, torch.float32, (30, 3, 64, "cpu"))  # stable
+    others = {namespace({"files": {"model.safetensors": "cd"}}, 32, torch.float32,
+                        (30, 3, 64, "cpu")),
+              namespace(model, 16, torch.float32, (30, 3, 64, "cpu")),
+              namespace(model, 32, torch.bfloat16, (30, 3, 64, "cpu")),
+              namespace(model, 32, torch.float32, (30, 3, 64, "cuda"))}
+    assert base not in others and len(others) == 4
+
+
+def test_a_model_is_named_by_its_manifest_or_its_files(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    plain = model_identity(tmp_path)
+    assert set(plain["files"]) == {"config.json", "model.safetensors"}
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    assert model_identity(tmp_path) != plain
+    (tmp_path / "span-workflows-manifest.json").write_text('{"files": {"a": "1"}}')
+    assert model_identity(tmp_path) == {"files": {"a": "1"}}

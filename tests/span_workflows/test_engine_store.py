@@ -1,0 +1,148 @@
+"""The span store on the real default engine (SmolLM2-135M, the span-ready adapter as LoRA).
+
+One engine with a store: spans it computes are written; with the KV cache emptied (what a
+restart leaves) a query loads them instead of computing them, in one engine step, and answers
+exactly as from the cache; a new combination of stored documents too; damaged files are
+recomputed (never read) and rewritten; ``index_documents`` fills a store ahead of the queries.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import span_vllm
+from span_workflows import builders as b
+from span_workflows.span_store import index_documents
+
+pytestmark = pytest.mark.engine
+
+SYSTEM = "Answer from the documents in one short sentence."
+PEOPLE = [("red", "Elm", "Anna", 31), ("blue", "Oak", "Bram", 44), ("green", "Pine", "Cleo", 29),
+          ("yellow", "Ash", "Dirk", 52), ("white", "Birch", "Edda", 67),
+          ("black", "Cedar", "Finn", 38)]
+DOCS = [f"The {c} house on {s} Street belongs to {n}, who is {a} years old, keeps bees and "
+        f"paints the fence every spring. Nobody else on {s} Street keeps bees."
+        for c, s, n, a in PEOPLE]
+
+
+@pytest.fixture(scope="module")
+def store_engine(tmp_path_factory: pytest.TempPathFactory):
+    """An engine (its own: the suite's shared one has no store) with a span store."""
+    from span_workflows.engine import Engine
+
+    directory = tmp_path_factory.mktemp("span-store")
+    eng = Engine(kv_cache_gib=1, span_store=directory)
+    eng.store_directory = directory
+    yield eng
+    eng.close()
+
+
+def stats() -> dict[str, int]:
+    return span_vllm.span_stats()
+
+
+def delta(before: dict[str, int]) -> dict[str, int]:
+    after = stats()
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob("*.kv"))
+
+
+def ask(engine, docs, question="Who is 44 years old?"):
+    return engine.execute(b.rag(SYSTEM, docs, question, max_tokens=12), logprobs=3)
+
+
+def test_spans_are_written_and_loaded_once_the_cache_is_empty(store_engine) -> None:
+    before = stats()
+    fresh = ask(store_engine, DOCS[:4])
+    span_vllm.span_store_flush()
+    written = delta(before).get("store_written_blocks", 0)
+    assert written > 0 and len(files(store_engine.store_directory)) >= written
+
+    store_engine.reset_cache()
+    before = stats()
+    loaded = ask(store_engine, DOCS[:4])
+    moved = delta(before)
+    assert moved.get("store_hit_blocks", 0) > 0 and not moved.get("store_bad_blocks")
+    assert moved.get("miss_blocks", 0) == 0  # no span computed again
+    assert loaded.metrics.prepare_requests == 0 and loaded.metrics.final_steps == 1
+    assert loaded.metrics.cached_tokens == fresh.metrics.cached_tokens
+    assert loaded.text == fresh.text
+    first, again = fresh.first_logprobs, loaded.first_logprobs
+    assert first.keys() == again.keys()
+    assert max(abs(first[t] - again[t]) for t in first) < 1e-3
+
+
+def test_a_new_combination_of_stored_documents_answers_as_from_the_cache(store_engine) -> None:
+    for pair in (DOCS[:2], DOCS[2:4], DOCS[4:]):
+        ask(store_engine, pair)
+    span_vllm.span_store_flush()
+    combination = [DOCS[5], DOCS[1], DOCS[3], DOCS[4]]  # never asked together
+    store_engine.reset_cache()
+    before = stats()
+    from_store = ask(store_engine, combination)
+    assert delta(before).get("store_hit_blocks", 0) > 0
+    assert from_store.metrics.final_steps == 1
+    before = stats()
+    from_cache = ask(store_engine, combination)
+    assert not delta(before).get("store_hit_blocks") and delta(before).get("hit_blocks", 0) > 0
+    assert from_cache.text == from_store.text
+
+
+def test_damaged_files_are_recomputed_and_rewritten_never_read(store_engine) -> None:
+    docs = DOCS[1:5]
+    reference = ask(store_engine, docs, "Who keeps bees on Ash Street?")
+    span_vllm.span_store_flush()
+    stored = files(store_engine.store_directory)
+    for n, path in enumerate(stored):
+        data = bytearray(path.read_bytes())
+        if n % 2:
+            data[-3] ^= 0x20  # a flipped bit
+        else:
+            data = data[: len(data) // 2]  # truncated
+        path.write_bytes(bytes(data))
+    store_engine.reset_cache()
+    before = stats()
+    again = ask(store_engine, docs, "Who keeps bees on Ash Street?")
+    span_vllm.span_store_flush()
+    moved = delta(before)
+    assert moved.get("store_bad_blocks", 0) > 0
+    assert again.text == reference.text
+    assert max(abs(reference.first_logprobs[t] - again.first_logprobs[t])
+               for t in reference.first_logprobs) < 1e-3
+    assert moved.get("store_written_blocks", 0) > 0  # computed anew, written anew
+    store_engine.reset_cache()
+    before = stats()
+    assert ask(store_engine, docs, "Who keeps bees on Ash Street?").text == reference.text
+    assert not delta(before).get("store_bad_blocks")
+
+
+def test_indexed_documents_are_hits_on_the_first_query(store_engine) -> None:
+    corpus = [f"Ticket {n}: the parcel for {name} left the depot in {city} on day {n}."
+              for n, (name, city) in enumerate([("Ada", "Lyon"), ("Ben", "Graz"),
+                                                ("Cai", "Bern"), ("Dov", "Oslo"),
+                                                ("Eli", "Riga")])]
+    report = index_documents(store_engine, corpus, SYSTEM, batch_size=3, progress=False)
+    assert report.documents == 5 and report.computed_tokens > 0
+    span_vllm.span_store_flush()
+    store_engine.reset_cache()
+    before = stats()
+    result = ask(store_engine, [corpus[3], corpus[0], corpus[4]], "Where did Dov's parcel leave?")
+    moved = delta(before)
+    assert moved.get("store_hit_blocks", 0) > 0 and moved.get("miss_blocks", 0) == 0
+    assert result.metrics.prepare_requests == 0 and result.metrics.final_steps == 1
+    again = index_documents(store_engine, corpus, SYSTEM, batch_size=3, progress=False)
+    assert again.computed_tokens < report.computed_tokens / 2  # cached now: only the tails
+    for path in files(store_engine.store_directory):  # no store, no cache: computed afresh
+        path.unlink()
+    store_engine.reset_cache()
+    before = stats()
+    fresh = ask(store_engine, [corpus[3], corpus[0], corpus[4]], "Where did Dov's parcel leave?")
+    assert not delta(before).get("store_hit_blocks") and fresh.metrics.prepare_requests > 0
+    assert fresh.text == result.text
+    assert max(abs(fresh.first_logprobs[t] - result.first_logprobs[t])
+               for t in fresh.first_logprobs) < 1e-3
