@@ -11,6 +11,7 @@ two in-process engines).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +24,8 @@ from span_workflows.model import DEFAULT_MODEL_NAME
 from span_workflows.result import Result
 from span_workflows.streaming import AsyncTextStream, TextStream
 
+#: the environment variable naming the default engine's span store directory
+SPAN_STORE_ENV = "SPAN_WORKFLOWS_SPAN_STORE"
 _engine_lock = threading.Lock()
 _default_engine: Any = None
 
@@ -34,7 +37,9 @@ def default_engine(model: str | None = None) -> Any:
     ``model`` chooses what it loads: ``None`` or the default's name
     (:data:`~span_workflows.model.DEFAULT_MODEL_NAME`) the bundled default, announced once on
     stderr, else a local model directory. vLLM runs one engine per process, so asking for
-    another model than the one loaded raises ``ValueError``."""
+    another model than the one loaded raises ``ValueError``. ``SPAN_WORKFLOWS_SPAN_STORE``
+    (a directory) gives it a span store (``Engine(span_store=...)``: spans kept on disk,
+    across restarts; ``span-workflows index`` fills one)."""
     global _default_engine
     default = model is None or model == DEFAULT_MODEL_NAME
     with _engine_lock:
@@ -44,7 +49,8 @@ def default_engine(model: str | None = None) -> Any:
             if default:
                 print(f"span-workflows: loading the default model {DEFAULT_MODEL_NAME}",
                       file=sys.stderr)
-            _default_engine = Engine(None if default else model)
+            store = os.environ.get(SPAN_STORE_ENV) or None
+            _default_engine = Engine(None if default else model, span_store=store)
         elif not default and model != _default_engine.model_name:
             raise ValueError(
                 f"this process already runs an engine for {_default_engine.model_name!r}; "
@@ -155,4 +161,4 @@ class QueryRunner:
         return {k: v for k, v in options.items() if v is not None}
 
 
-__all__ = ["Chunk", "QueryRunner", "default_engine", "set_default_engine"]
+__all__ = ["SPAN_STORE_ENV", "Chunk", "QueryRunner", "default_engine", "set_default_engine"]

@@ -146,3 +146,59 @@ def test_indexed_documents_are_hits_on_the_first_query(store_engine) -> None:
     assert fresh.text == result.text
     assert max(abs(fresh.first_logprobs[t] - result.first_logprobs[t])
                for t in fresh.first_logprobs) < 1e-3
+
+
+def test_the_retrievers_index_their_documents_into_the_store(store_engine) -> None:
+    from llama_index.core.schema import MetadataMode
+
+    from langchain_span_workflows import SpanRetriever as LangChainRetriever
+    from llama_index.retrievers.span_workflows import SpanRetriever as LlamaIndexRetriever
+
+    texts = [f"Order {n}: {item} shipped to {town} by {carrier}." for n, (item, town, carrier)
+             in enumerate([("a lamp", "Gent", "rail"), ("two chairs", "Turku", "sea"),
+                           ("a kettle", "Porto", "air"), ("a rug", "Brno", "road")])]
+    report = LangChainRetriever(texts=texts).index_spans(SYSTEM, engine=store_engine,
+                                                         progress=False)
+    assert report.documents == 4 and report.computed_tokens > 0
+    llama = LlamaIndexRetriever.from_texts(texts[:2], metadatas=[{"shop": "north"}] * 2)
+    assert llama.index_spans(SYSTEM, engine=store_engine, progress=False).documents == 2
+    llama_texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in llama.nodes]
+    with pytest.raises(ValueError, match="documents="):
+        LangChainRetriever(retriever=LangChainRetriever(texts=texts)).index_spans(
+            SYSTEM, engine=store_engine)
+    span_vllm.span_store_flush()
+    for docs in ([texts[2], texts[0], texts[3]], llama_texts):
+        store_engine.reset_cache()
+        before = stats()
+        result = ask(store_engine, docs, "What went to Porto?")
+        moved = delta(before)
+        assert moved.get("store_hit_blocks", 0) > 0 and moved.get("miss_blocks", 0) == 0
+        assert result.metrics.prepare_requests == 0 and result.metrics.final_steps == 1
+
+
+def test_bench_store_rows_on_a_tiny_corpus(store_engine, tmp_path: Path) -> None:
+    from span_workflows.apps.bench.store import (
+        bench_corpus,
+        bench_load,
+        bench_ways,
+        markdown,
+        plot_store,
+    )
+    from span_workflows.apps.demo.corpus import documents
+
+    docs = documents(store_engine.tokenizer, 6, 64)
+    ways, _ = bench_ways(store_engine, docs, 2, 1, progress=False)
+    by_way = {row["way"]: row for row in ways}
+    assert set(by_way) == {"in cache", "store", "stock"}
+    assert by_way["store"]["store_blocks"] > 0 and by_way["in cache"]["store_blocks"] == 0
+    assert by_way["store"]["final_steps"] == 1 and by_way["store"]["same_output"]
+    load = bench_load(store_engine, by_way["stock"], max_blocks=8)
+    assert load["blocks_read"] == 8 and load["store_gb_per_s_disk"] > 0
+    assert load["kv_bytes_per_token"] <= load["disk_bytes_per_token"] < 1.01 * load[
+        "kv_bytes_per_token"]
+    corpus = bench_corpus(store_engine, docs, 6, 2, seed=0, progress=False)
+    assert corpus["first_query_miss_blocks"] == 0 and corpus["served_share"] == 1.0
+    rows = [*ways, load, corpus]
+    assert "| store |" in markdown(rows)
+    plot_store(rows, tmp_path / "store.png")
+    assert (tmp_path / "store.png").stat().st_size > 0

@@ -69,6 +69,29 @@ class SpanRetriever(BaseRetriever):
                    metadatas=None if metadatas is None else [dict(m) for m in metadatas],
                    **kwargs)
 
+    # -- the span store -------------------------------------------------------------------------
+    def index_spans(self, system: str, *, engine: Any = None,
+                    documents: Sequence[str] | None = None, batch_size: int = 8,
+                    progress: bool = True) -> Any:
+        """Compute each document's span once into the span store of ``engine`` (default: the
+        process's default engine, whose store ``SPAN_WORKFLOWS_SPAN_STORE`` names), as a plus
+        span after ``system``: queries that put these documents right after that system
+        prompt then load them from the store, after a restart too. ``documents`` default to
+        this retriever's ``texts`` (a wrapped retriever's documents must be given). Returns
+        :class:`span_workflows.span_store.IndexReport`."""
+        from span_workflows.span_store import index_documents
+
+        texts = list(documents) if documents is not None else self.texts
+        if texts is None:
+            raise ValueError("a SpanRetriever over another retriever indexes the documents "
+                             "given as documents=[...]")
+        if engine is None:
+            from span_workflows.runner import default_engine
+
+            engine = default_engine()
+        return index_documents(engine, texts, system, batch_size=batch_size,
+                               progress=progress)
+
     # -- retrieval ------------------------------------------------------------------------------
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any

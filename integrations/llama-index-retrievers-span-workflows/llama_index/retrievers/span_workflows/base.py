@@ -80,6 +80,30 @@ class SpanRetriever(BaseRetriever):
         """A retriever over ``nodes`` (searched by their embedding text)."""
         return cls(nodes=nodes, k=k, **kwargs)
 
+    # -- the span store -------------------------------------------------------------------------
+    def index_spans(self, system: str, *, engine: Any = None,
+                    nodes: Sequence[BaseNode] | None = None, batch_size: int = 8,
+                    progress: bool = True) -> Any:
+        """Compute each node's span (its prompt text, ``MetadataMode.LLM``, as retrieval sends
+        it) once into the span store of ``engine`` (default: the process's default engine,
+        whose store ``SPAN_WORKFLOWS_SPAN_STORE`` names), as a plus span after ``system``:
+        queries that put these nodes right after that system prompt then load them from the
+        store, after a restart too. ``nodes`` default to this retriever's own (a wrapped
+        retriever's must be given). Returns :class:`span_workflows.span_store.IndexReport`."""
+        from span_workflows.span_store import index_documents
+
+        chosen = list(nodes) if nodes is not None else self.nodes
+        if chosen is None:
+            raise ValueError("a SpanRetriever over another retriever indexes the nodes given "
+                             "as nodes=[...]")
+        if engine is None:
+            from span_workflows.runner import default_engine
+
+            engine = default_engine()
+        texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in chosen]
+        return index_documents(engine, texts, system, batch_size=batch_size,
+                               progress=progress)
+
     # -- retrieval ------------------------------------------------------------------------------
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         if self.retriever is not None:
