@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +61,17 @@ def default_engine(model: str | None = None) -> Any:
                 f"this process already runs an engine for {_default_engine.model_name!r}, "
                 f"not the default model {DEFAULT_MODEL_NAME!r}")
         return _default_engine
+
+
+def index_spans(texts: Sequence[str], system: str, *, engine: Any = None,
+                batch_size: int = 8, progress: bool = True) -> Any:
+    """What the retrievers' ``index_spans`` run: each text's span computed once into the span
+    store of ``engine`` (default: :func:`default_engine`), as a plus span after ``system``
+    (:func:`span_workflows.span_store.index_documents`; returns its ``IndexReport``)."""
+    from span_workflows.span_store import index_documents
+
+    return index_documents(engine if engine is not None else default_engine(), list(texts),
+                           system, batch_size=batch_size, progress=progress)
 
 
 def set_default_engine(engine: Any) -> None:
@@ -161,4 +172,5 @@ class QueryRunner:
         return {k: v for k, v in options.items() if v is not None}
 
 
-__all__ = ["SPAN_STORE_ENV", "Chunk", "QueryRunner", "default_engine", "set_default_engine"]
+__all__ = ["SPAN_STORE_ENV", "Chunk", "QueryRunner", "default_engine", "index_spans",
+           "set_default_engine"]

@@ -79,18 +79,14 @@ class SpanRetriever(BaseRetriever):
         prompt then load them from the store, after a restart too. ``documents`` default to
         this retriever's ``texts`` (a wrapped retriever's documents must be given). Returns
         :class:`span_workflows.span_store.IndexReport`."""
-        from span_workflows.span_store import index_documents
+        from span_workflows.runner import index_spans
 
         texts = list(documents) if documents is not None else self.texts
         if texts is None:
             raise ValueError("a SpanRetriever over another retriever indexes the documents "
                              "given as documents=[...]")
-        if engine is None:
-            from span_workflows.runner import default_engine
-
-            engine = default_engine()
-        return index_documents(engine, texts, system, batch_size=batch_size,
-                               progress=progress)
+        return index_spans(texts, system, engine=engine, batch_size=batch_size,
+                           progress=progress)
 
     # -- retrieval ------------------------------------------------------------------------------
     def _get_relevant_documents(

@@ -90,19 +90,15 @@ class SpanRetriever(BaseRetriever):
         queries that put these nodes right after that system prompt then load them from the
         store, after a restart too. ``nodes`` default to this retriever's own (a wrapped
         retriever's must be given). Returns :class:`span_workflows.span_store.IndexReport`."""
-        from span_workflows.span_store import index_documents
+        from span_workflows.runner import index_spans
 
         chosen = list(nodes) if nodes is not None else self.nodes
         if chosen is None:
             raise ValueError("a SpanRetriever over another retriever indexes the nodes given "
                              "as nodes=[...]")
-        if engine is None:
-            from span_workflows.runner import default_engine
-
-            engine = default_engine()
         texts = [n.get_content(metadata_mode=MetadataMode.LLM) for n in chosen]
-        return index_documents(engine, texts, system, batch_size=batch_size,
-                               progress=progress)
+        return index_spans(texts, system, engine=engine, batch_size=batch_size,
+                           progress=progress)
 
     # -- retrieval ------------------------------------------------------------------------------
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
