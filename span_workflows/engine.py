@@ -31,7 +31,7 @@ from typing import Any
 
 import span_vllm
 from span_vllm import contract
-from span_workflows import bulk
+from span_workflows import bulk, engine_lifetime
 from span_workflows.compile import (
     Compiler,
     NestedOutput,
@@ -190,6 +190,7 @@ class Engine:
         self._keyer: Any = None
         self._lock = threading.RLock()
         self._closed = False
+        engine_lifetime.opened()
 
     # -- QueryBackend ---------------------------------------------------------------------------
     def execute(self, query: Node, *, optimize_query: bool = True,
@@ -326,7 +327,7 @@ class Engine:
         self._closed = True
         core = getattr(self._engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
-            core.shutdown()
+            engine_lifetime.shut_down(core)
         del self._llm
         del self._engine
         import gc

@@ -40,7 +40,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                              "tune.tool_data", "tune.train"),
     "serving": ("serving", "serving.client", "serving.app", "serving.service",
                 "serving.launch", "serving.chat_route", "serving.spnl_route"),
-    "engine": ("backend", "engine", "bulk", "span_store"),
+    "engine": ("backend", "engine", "engine_lifetime", "bulk", "span_store"),
     "boundary": ("vllm_io", "query_body", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments", "routing", "keys"),

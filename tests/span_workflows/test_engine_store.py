@@ -28,8 +28,11 @@ DOCS = [f"The {c} house on {s} Street belongs to {n}, who is {a} years old, keep
 
 
 @pytest.fixture(scope="module")
-def store_engine(tmp_path_factory: pytest.TempPathFactory):
-    """An engine (its own: the suite's shared one has no store) with a span store."""
+def store_engine(tmp_path_factory: pytest.TempPathFactory, engine):
+    """An engine (its own: the suite's shared one has no store) with a span store.
+
+    vLLM keeps one KV connector per process: the shared engine is started first (it has none)
+    and runs no step until this one is closed, so the connector is only ever this engine's."""
     from span_workflows.engine import Engine
 
     directory = tmp_path_factory.mktemp("span-store")
@@ -202,3 +205,15 @@ def test_bench_store_rows_on_a_tiny_corpus(store_engine, tmp_path: Path) -> None
     assert "| store |" in markdown(rows)
     plot_store(rows, tmp_path / "store.png")
     assert (tmp_path / "store.png").stat().st_size > 0
+
+
+def test_closing_this_engine_leaves_the_shared_engine_running(store_engine, engine) -> None:
+    """Two in-process engines share the process's parallel groups: closing one (this module's,
+    last test) must not tear them down under the other."""
+    from span_workflows import engine_lifetime
+
+    assert engine_lifetime.open_engines() >= 2
+    store_engine.close()
+    assert engine_lifetime.open_engines() >= 1
+    answer = engine.execute(b.g("Say hello.", max_tokens=4, temperature=0.0))
+    assert answer.text.strip()
