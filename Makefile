@@ -28,7 +28,7 @@ DOCS_DEPS := mkdocs==1.6.1 mkdocs-material==9.7.7 "mkdocstrings[python]==1.0.6" 
 PACKAGES := . server integrations/langchain \
 	integrations/llama-index-llms-span-workflows integrations/llama-index-retrievers-span-workflows
 
-.PHONY: setup demo test test-report test-vllm lint docs clean
+.PHONY: setup demo test test-report test-vllm lint docs adapter clean
 
 setup: $(STAMP)
 
@@ -74,6 +74,18 @@ test-vllm: $(STAMP)
 # (read, not imported), the notebooks (not executed), a page per benchmarks/results/*.json.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The bundled span-ready adapter, trained from scratch by the default recipe (hours on a CPU:
+# run it again after an interruption and it resumes; TUNE_ARGS="--device cuda" on a GPU), then
+# installed where the package ships it, its training log with it. Nothing is installed unless
+# the run finished.
+ADAPTER_RUN ?= build/adapter-run
+SPAN_ADAPTER := span_workflows/adapters/smollm2-135m-instruct-span
+adapter: $(STAMP)
+	$(VENV)/bin/span-workflows tune --recipe default --out $(ADAPTER_RUN) $(TUNE_ARGS)
+	test -f $(ADAPTER_RUN)/adapter/adapter_model.safetensors
+	rm -rf $(SPAN_ADAPTER).new && cp -r $(ADAPTER_RUN)/adapter $(SPAN_ADAPTER).new
+	rm -rf $(SPAN_ADAPTER) && mv $(SPAN_ADAPTER).new $(SPAN_ADAPTER)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check span_workflows server integrations tests

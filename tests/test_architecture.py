@@ -47,7 +47,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
                             "optimize", "locality", "compile", "render", "layout",
                             "tool_prompt", "lint", "lint_rules"),
-    "ground": ("ir", "errors", "model", "retrieval", "sampling", "logprobs"),
+    "ground": ("ir", "errors", "model", "retrieval", "sampling", "logprobs", "build_info"),
 }
 
 

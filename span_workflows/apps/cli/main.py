@@ -13,11 +13,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import Generate, Node, iter_nodes, rewrite_bottom_up
 from span_workflows.json_ir import from_json
 from span_workflows.span_store import DEFAULT_INDEX_SYSTEM
+
+if TYPE_CHECKING:
+    from span_workflows.tune.train import TuneConfig
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -250,42 +254,53 @@ def _cmd_lint(args: argparse.Namespace) -> int:
     return max(r.exit_code for r in reports)
 
 
+#: ``tune`` flags that set a :class:`TuneConfig` field of the same name, with their meaning.
+_TUNE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("examples", int, "training examples"),
+    ("seed", int, "seed of the generated examples and of the adapter's start"),
+    ("rank", int, "LoRA rank"),
+    ("learning_rate", float, "peak learning rate"),
+    ("accumulate", int, "examples per optimizer step"),
+    ("span_share", float, "share of examples in span form (the rest: stock form, text)"),
+    ("link_share", float, "share of span-form examples with one link block"),
+    ("tool_share", float, "share of examples that are agent turns with tools (keeps the "
+                          "model calling tools)"),
+    ("ce_weight", float, "weight of the reference answer's cross-entropy"),
+    ("kl_weight", float, "weight of KL(base on the stock prompt || adapter) on the answer "
+                         "tokens: self-distillation"),
+)
+
+
 def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from span_workflows.tune.train import TuneConfig
+    from span_workflows.tune.train import RECIPES, TuneConfig
 
     defaults = TuneConfig()
     tune = sub.add_parser(
         "tune", help="make a model span-ready: LoRA fine-tuning on span-form RAG examples",
         description="Fine-tune LoRA adapters so that the model answers in span mode as it "
                     "does in stock mode. Resumable: run the same command again to continue "
-                    "from the last checkpoint in --out.", parents=[common])
+                    "from the last checkpoint in --out. Flags not given come from --recipe "
+                    "(or the plain defaults shown).", parents=[common])
     tune.add_argument("--out", type=Path, required=True,
-                      help="directory for checkpoints and the finished adapter (OUT/adapter)")
+                      help="directory for checkpoints, the training log and the finished "
+                           "adapter (OUT/adapter)")
+    tune.add_argument("--recipe", choices=sorted(RECIPES),
+                      help="start from a named configuration: 'default' is the bundled "
+                           "adapter's recipe (what make adapter runs)")
     tune.add_argument("--model", help="base model: a bundled name or a local HF directory "
                                       "(default: smollm2-135m-instruct, the base)")
-    tune.add_argument("--examples", type=int, default=defaults.examples,
-                      help=f"training examples (default: {defaults.examples})")
-    tune.add_argument("--seed", type=int, default=defaults.seed,
-                      help="seed of the generated examples and of the adapter's start")
-    tune.add_argument("--rank", type=int, default=defaults.rank, help="LoRA rank")
-    tune.add_argument("--learning-rate", type=float, default=defaults.learning_rate,
-                      help=f"peak learning rate (default: {defaults.learning_rate})")
-    tune.add_argument("--accumulate", type=int, default=defaults.accumulate,
-                      help="examples per optimizer step")
-    tune.add_argument("--span-share", type=float, default=defaults.span_share,
-                      help="share of examples in span form (the rest: stock form, text)")
-    tune.add_argument("--link-share", type=float, default=defaults.link_share,
-                      help="share of span-form examples with one link block")
-    tune.add_argument("--tool-share", type=float, default=defaults.tool_share,
-                      help="share of examples that are agent turns with tools (keeps the "
-                           f"model calling tools; default: {defaults.tool_share})")
+    for name, kind, meaning in _TUNE_FLAGS:
+        tune.add_argument(f"--{name.replace('_', '-')}", type=kind,
+                          help=f"{meaning} (default: {getattr(defaults, name)})")
     tune.add_argument("--init-adapter", type=Path, default=None,
                       help="start from this adapter directory (e.g. a span-ready model's, to "
                            "tune it further) instead of a fresh LoRA initialization")
-    tune.add_argument("--max-doc-tokens", type=int, default=defaults.doc_tokens[1],
-                      help="longest document of an example, in tokens")
-    tune.add_argument("--max-docs", type=int, default=defaults.docs_per_prompt[1],
-                      help="most documents per example")
+    tune.add_argument("--max-doc-tokens", type=int,
+                      help=f"longest document of an example, in tokens "
+                           f"(default: {defaults.doc_tokens[1]})")
+    tune.add_argument("--max-docs", type=int,
+                      help=f"most documents per example (default: "
+                           f"{defaults.docs_per_prompt[1]})")
     tune.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                       help="where to train (default: cpu)")
     tune.add_argument("--merge", type=Path, default=None,
@@ -295,23 +310,37 @@ def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     tune.set_defaults(func=_cmd_tune)
 
 
-def _cmd_tune(args: argparse.Namespace) -> int:
-    from span_workflows.tune.train import TuneConfig, tune
+def _tune_config(args: argparse.Namespace) -> TuneConfig:
+    """The run's config: ``--recipe`` (or the plain defaults), then every flag given."""
+    from span_workflows.tune.train import RECIPES, TuneConfig
 
-    defaults = TuneConfig()
-    if args.max_doc_tokens < defaults.doc_tokens[0]:
-        raise SpanQueryError("--max-doc-tokens", f"must be at least {defaults.doc_tokens[0]}")
-    if args.max_docs < defaults.docs_per_prompt[0]:
-        raise SpanQueryError("--max-docs", f"must be at least {defaults.docs_per_prompt[0]}")
-    config = TuneConfig(
-        examples=args.examples, seed=args.seed, rank=args.rank, alpha=2 * args.rank,
-        learning_rate=args.learning_rate, accumulate=args.accumulate,
-        span_share=args.span_share, link_share=args.link_share, tool_share=args.tool_share,
-        init_adapter=None if args.init_adapter is None else str(args.init_adapter),
-        doc_tokens=(defaults.doc_tokens[0], args.max_doc_tokens),
-        docs_per_prompt=(defaults.docs_per_prompt[0], args.max_docs))
+    start = RECIPES[args.recipe] if args.recipe else TuneConfig()
+    given = {name: getattr(args, name) for name, _, _ in _TUNE_FLAGS
+             if getattr(args, name) is not None}
+    if args.rank is not None:
+        given["alpha"] = 2 * args.rank
+    if args.init_adapter is not None:
+        given["init_adapter"] = str(args.init_adapter)
+    low_tokens, high_tokens = start.doc_tokens
+    fewest, most = start.docs_per_prompt
+    if args.max_doc_tokens is not None:
+        if args.max_doc_tokens < low_tokens:
+            raise SpanQueryError("--max-doc-tokens", f"must be at least {low_tokens}")
+        high_tokens = args.max_doc_tokens
+    if args.max_docs is not None:
+        if args.max_docs < fewest:
+            raise SpanQueryError("--max-docs", f"must be at least {fewest}")
+        most = args.max_docs
+    return dataclasses.replace(start, **given, doc_tokens=(low_tokens, high_tokens),
+                               docs_per_prompt=(fewest, most))
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from span_workflows.tune.train import tune
+
+    config = _tune_config(args)
     report = tune(args.out, config, model=args.model, device=args.device,
-                  stop_after=args.stop_after)
+                  stop_after=args.stop_after, recipe=args.recipe)
     done = report.examples >= config.examples
     first, last = (report.losses[0], report.losses[-1]) if report.losses else (0.0, 0.0)
     print(f"trained {report.examples - report.resumed_from} examples in "

@@ -112,3 +112,38 @@ def test_agent_turns_share_nothing_with_the_agent_tests() -> None:
                   t.answer]) for t in make_tool_examples(400, seed=0))
     for held_out in ("weather", "population", "Varnholm", "inhabitants", "Foggy"):
         assert held_out.lower() not in text.lower(), held_out
+
+
+def test_the_default_recipe_reaches_eight_to_sixteen_documents() -> None:
+    """The recipe that trains the bundled adapter: 2-16 documents per prompt, at least a third
+    of its prompts with 8 or more (where span mode lost most), no link blocks (the options the
+    adapter is served with), self-distillation on."""
+    from span_workflows.tune.train import RECIPES, TRAINED_OPTIONS
+
+    recipe = RECIPES["default"]
+    assert recipe.docs_per_prompt == (2, 16) and recipe.link_share == 0.0
+    assert TRAINED_OPTIONS["link_blocks"] == 0
+    assert recipe.kl_weight > 0 and recipe.tool_share > 0
+    examples = data.make_examples(600, seed=recipe.seed, doc_tokens=recipe.doc_tokens,
+                                  docs_per_prompt=recipe.docs_per_prompt)
+    per_prompt = [len(e.documents) for e in examples]
+    assert min(per_prompt) == 2 and max(per_prompt) == 16
+    assert sum(n >= 8 for n in per_prompt) >= len(per_prompt) / 3
+
+
+def test_make_adapter_trains_the_default_recipe_and_installs_only_a_finished_run() -> None:
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    if shutil.which("make") is None:
+        raise AssertionError("make is needed to build this project")
+    lines = subprocess.run(["make", "-n", "adapter", "STAMP=/dev/null"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    tune = next(i for i, line in enumerate(lines) if " tune --recipe default " in line)
+    guard = next(i for i, line in enumerate(lines)
+                 if line.startswith("test -f") and "adapter_model.safetensors" in line)
+    install = next(i for i, line in enumerate(lines)
+                   if "mv " in line and "span_workflows/adapters/" in line)
+    assert tune < guard < install

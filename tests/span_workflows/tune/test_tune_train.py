@@ -4,6 +4,7 @@ stopped, the adapter loads, and the merged model is a plain checkpoint the engin
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -13,7 +14,13 @@ import pytest
 import torch
 
 from span_workflows.apps.cli.main import main
-from span_workflows.tune.train import ExampleStream, TuneConfig, item_loss, load_base
+from span_workflows.tune.train import (
+    ExampleStream,
+    TuneConfig,
+    item_loss,
+    load_base,
+    training_loss,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -116,3 +123,61 @@ def test_an_agent_turn_is_trained_on_the_prompt_the_engine_runs_for_it(engine) -
         assert engine.tokenizer.decode(item.answer_ids[:-1]) == turn.answer
         checked += "You can call these tools:" in engine.tokenizer.decode(ran.token_ids)
     assert checked == 6
+
+
+def test_distillation_starts_at_zero_in_stock_form_and_teaches_span_form() -> None:
+    """KL(base on the stock prompt || adapter) on the answer: a fresh adapter *is* the base, so
+    a stock-form item's KL is 0 and its loss the weighted cross-entropy; a span-form item of
+    the same stream reads its documents apart, so its KL is what distillation trains away."""
+    from peft import LoraConfig, get_peft_model
+
+    from span_workflows.tune.train import TARGET_MODULES
+
+    config = TuneConfig(examples=24, seed=7, rank=4, alpha=8, doc_tokens=(64, 128),
+                        docs_per_prompt=(3, 4), text_share=0.0, tool_share=0.0,
+                        span_share=0.5, ce_weight=0.5, kl_weight=2.0)
+    base, tokenizer, _ = load_base(None, "cpu")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                            target_modules=list(TARGET_MODULES),
+                                            task_type="CAUSAL_LM")).eval()
+    stream = ExampleStream(config, tokenizer)
+    items = [stream.item(i) for i in range(len(stream))]
+    stock = next(i for i in items if i.form == "stock")
+    span = next(i for i in items if i.form == "span")
+    assert stock.teacher_ids == stock.prompt_ids and len(span.teacher_ids) > 0
+    with torch.no_grad():
+        loss, ce, kl = training_loss(model, stock, config)
+        assert abs(kl) < 1e-5 and abs(float(loss) - 0.5 * ce) < 1e-4
+        loss, ce, kl = training_loss(model, span, config)
+        assert kl > 1e-3 and abs(float(loss) - (0.5 * ce + 2.0 * kl)) < 1e-3
+        assert abs(ce - float(item_loss(model, span))) < 1e-4
+        # no teacher without a KL weight: the KL term is reported as 0
+        plain = TuneConfig(**{**config.__dict__, "kl_weight": 0.0, "ce_weight": 1.0})
+        assert training_loss(model, span, plain)[2] == 0.0
+
+
+def test_a_recipe_run_logs_itself_and_resumes_its_log(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "recipe"
+    small = ["--recipe", "default", "--examples", "6", "--accumulate", "3", "--max-docs", "3",
+             "--max-doc-tokens", "96", "--rank", "4", "--seed", "3"]
+    assert main(["tune", "--out", str(out), *small, "--stop-after", "3"]) == 0
+    first = json.loads((out / "training_log.json").read_text())
+    assert first["recipe"] == "default" and first["examples"] == 3 and first["of"] == 6
+    assert first["config"]["kl_weight"] == 1.0 and first["config"]["ce_weight"] == 0.5
+    assert first["config"]["docs_per_prompt"] == [2, 3]  # a flag given overrides the recipe
+    assert re.fullmatch(r"[0-9a-f]{64}", first["data_sha256"])
+    assert re.fullmatch(r"([0-9a-f]{12}(\+dirty)?|unknown)", first["commit"])
+    assert {"torch", "transformers", "peft"} <= set(first["packages"])
+    assert len(first["losses"]) == len(first["ce"]) == len(first["kl"]) == 1
+    assert first["seconds_per_1k"] > 0
+    capsys.readouterr()
+    assert main(["tune", "--out", str(out), *small]) == 0
+    log = json.loads((out / "adapter" / "training_log.json").read_text())
+    assert log["examples"] == 6 and log["losses"][:1] == first["losses"]
+    assert log["data_sha256"] == first["data_sha256"] and log["seconds"] > first["seconds"]
+    assert log == json.loads((out / "training_log.json").read_text())
+    capsys.readouterr()
+    for bad, flag in ((["--kl-weight", "-1"], "--kl-weight"),
+                      (["--kl-weight", "0", "--ce-weight", "0"], "--kl-weight")):
+        assert main(["tune", "--out", str(tmp_path / "bad"), *small, *bad]) == 2
+        assert flag in capsys.readouterr().err
