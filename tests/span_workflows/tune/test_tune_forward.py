@@ -1,7 +1,8 @@
 """The training forward computes what the engine computes: first-token log-probabilities of
 span mode (documents moved since they were cached, so their keys are re-rotated; with and
 without link blocks; on the base and with the span-ready LoRA adapter active) and of stock mode
-equal the engine's within 1e-3 nat (float32)."""
+equal the engine's within 1e-3 nat (float32); so do the log-probabilities of every token of a
+whole answer, teacher-forced, at 8 documents with the LoRA active, in span and stock form."""
 
 from __future__ import annotations
 
@@ -112,3 +113,57 @@ def test_gradients_reach_the_adapters_through_every_span(engine, model) -> None:
         assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
     finally:
         tuned.unload()
+
+
+EIGHT = [f"The {c} lighthouse of {town} was built by {who} in {year}; its lamp is {c} and it "
+         f"stands {m} metres above the bay, where the ferries from {town} turn north."
+         for c, town, who, year, m in [
+             ("red", "Varnholm", "Elira Quast", 1842, 31), ("white", "Ostmere", "Bram Tolk", 1861,
+                                                            24),
+             ("green", "Kelby", "Ida Marr", 1799, 40), ("blue", "Faro Sul", "Jon Adder", 1903, 18),
+             ("black", "Tresk", "Una Vell", 1877, 52), ("grey", "Holm", "Per Ask", 1820, 27),
+             ("yellow", "Lune", "Cai Rho", 1888, 35), ("orange", "Brae", "Ola Fenn", 1910, 22)]]
+EIGHT_QUESTION = "Who built the green lighthouse, and in which year? Answer in a sentence."
+
+
+def _check_answer(engine_logprobs: list[dict[int, float]], logits: torch.Tensor) -> int:
+    """Every generated token's top log-probabilities equal ours within 1e-3; returns how many
+    positions were compared."""
+    ours = torch.log_softmax(logits.double(), dim=-1)
+    assert len(engine_logprobs) == ours.shape[0]
+    for position, top in enumerate(engine_logprobs):
+        assert top
+        for token, logprob in top.items():
+            assert abs(float(ours[position, token]) - logprob) < 1e-3, (position, token)
+    return len(engine_logprobs)
+
+
+@pytest.mark.parametrize("span_mode", [True, False])
+def test_a_whole_answer_at_eight_documents_with_the_lora_equals_the_engine(
+        engine, adapted, span_mode: bool) -> None:
+    from span_workflows.tune.train import TRAINED_OPTIONS
+
+    options = SpanOptions(**TRAINED_OPTIONS)  # what the adapter is served with
+    query = rag(SYSTEM, EIGHT, EIGHT_QUESTION, max_tokens=16)
+    engine.reset_cache()
+    if span_mode:  # the documents cached in other orders first: the query reads them moved
+        engine.execute(rag(SYSTEM, EIGHT[4:], "Which lamp is blue?", max_tokens=1),
+                       weights=SPAN_MODEL_NAME)
+        engine.execute(rag(SYSTEM, EIGHT[:4][::-1], "Which lamp is red?", max_tokens=1),
+                       weights=SPAN_MODEL_NAME)
+    [result] = engine.execute_many([query], span_mode=span_mode, logprobs=5,
+                                   weights=SPAN_MODEL_NAME)
+    assert result.metrics.weights == SPAN_MODEL_NAME
+    answer = result.token_ids
+    assert len(answer) >= 8
+    with torch.no_grad():
+        if span_mode:
+            assert result.metrics.prepare_requests == 0 and result.metrics.cached_tokens > 0
+            assert result.metrics.link_requests == 0
+            tq = engine.compile(query, span_options=options)
+            assert tq.token_ids == result.query.token_ids
+            logits = span_forward(adapted, tq, answer)
+        else:
+            prompt = engine.compile(query, span_mode=False).token_ids
+            logits = stock_forward(adapted, prompt, answer)
+    assert _check_answer(result.logprobs, logits) == len(answer)
