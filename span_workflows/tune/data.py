@@ -12,9 +12,11 @@ examples share its *task* (answer a question from retrieved documents) and nothi
 * **documents**: sentence templates of their own, fact sentences shuffled among filler
   sentences, 64–512 tokens each, 2–10 documents per prompt (the benchmark: one paragraph
   template per kind, or the long form built from it, 4 or 8 documents);
-* **questions**: other phrasings and four facts (who, when, where, how many), questions that
-  need two documents, and questions whose answer is in none of them (answered "The documents
-  do not say.");
+* **questions**: other phrasings and six facts (who made it, when, where, how many, who keeps
+  it now — a second person in the same document, so the model must pick the right one — and
+  a colour), two-sentence answers (who, when and where at once), questions that need two
+  documents, and questions whose answer is in none of them (answered "The documents do not
+  say.");
 * **system prompts**: several, none of them the benchmark's.
 
 An :class:`Example` is one query (``system``, ``documents``, ``question``) with its target
@@ -101,6 +103,18 @@ _FACT_WHERE = (
     "{Title} can be found {place}.",
     "Anyone looking for it should go {place}.",
 )
+_FACT_KEEPER = (
+    "These days {keeper} keeps its keys and shows visitors round.",
+    "{Keeper} now holds the keys of {title} and shows visitors round it.",
+    "Visitors are shown round by {keeper}, who keeps the keys.",
+)
+_FACT_COLOUR = (
+    "Its shutters are painted {colour}.",
+    "The shutters of {title} are {colour}.",
+    "Everyone knows {title} by its {colour} shutters.",
+)
+_COLOURS = ("crimson", "teal", "ochre", "violet", "amber", "slate grey", "olive", "indigo",
+            "scarlet", "ivory", "mustard", "plum")
 _FACT_COUNT = (
     "It has {count} {counted}.",
     "There are {count} {counted} in {title}.",
@@ -148,12 +162,23 @@ _QUESTIONS: dict[str, tuple[str, ...]] = {
               "Which town is {title} near?", "Name the town of {title}."),
     "count": ("How many {counted} does {title} have?", "What number of {counted} has {title}?",
               "Count the {counted} of {title}."),
+    "keeper": ("Who keeps the keys of {title} now?", "Who shows visitors round {title}?",
+               "Which person holds the keys of {title} today?"),
+    "colour": ("What colour are the shutters of {title}?",
+               "Which colour are the shutters on {title} painted?",
+               "{Title}: what colour are its shutters?"),
+    "story": ("Who {made} {title}, when, and where is it?",
+              "Say who {made} {title} and when, then where it lies.",
+              "{Title}: who {made} it, in which year, and where?"),
 }
 _INSTRUCTIONS: dict[str, tuple[str, ...]] = {
     "who": ("", " Reply with just the name.", " Give the person's name."),
     "when": ("", " Reply with just the year.", " Give the year only."),
     "where": ("", " Reply with just the town.", " Name the place only."),
     "count": ("", " Reply with the number.", " Give the number only."),
+    "keeper": ("", " Reply with just the name.", " Give the person's name."),
+    "colour": ("", " Reply with just the colour.", " Name the colour only."),
+    "story": ("", " Reply in two sentences.", " Two short sentences, please."),
 }
 SYSTEM_PROMPTS: tuple[str, ...] = (
     "Use the documents to answer. Keep it short.",
@@ -176,6 +201,9 @@ class Fact:
     year: int
     town: str
     count: int
+    #: a second person of the same document: who keeps it now (never the one who made it)
+    keeper: str = ""
+    colour: str = ""
 
     @property
     def title(self) -> str:
@@ -222,8 +250,11 @@ def make_facts(count: int, rng: random.Random) -> list[Fact]:
         name = unique(lambda: _word(rng, 2).capitalize())
         surname = unique(lambda: _word(rng, 1).capitalize() + rng.choice(_SURNAME_ENDS))
         town = unique(lambda: _word(rng, 1).capitalize() + rng.choice(_TOWN_ENDS))
-        facts.append(Fact(kind, name, f"{rng.choice(_FIRST_NAMES)} {surname}",
-                          rng.randint(1650, 1990), town, rng.randint(2, 19)))
+        keeper = unique(lambda: _word(rng, 1).capitalize() + rng.choice(_SURNAME_ENDS))
+        first, keeper_first = rng.sample(_FIRST_NAMES, 2)
+        facts.append(Fact(kind, name, f"{first} {surname}", rng.randint(1650, 1990), town,
+                          rng.randint(2, 19), f"{keeper_first} {keeper}",
+                          rng.choice(_COLOURS)))
     return facts
 
 
@@ -239,9 +270,11 @@ def document(fact: Fact, rng: random.Random, tokens: int, *,
         "role_plain": kind.role.removeprefix("the "), "made": kind.made, "year": fact.year,
         "place": kind.place.format(town=fact.town), "count": fact.count,
         "counted": kind.counted, "place_phrase": kind.place.format(town=fact.town),
+        "keeper": fact.keeper, "Keeper": fact.keeper, "colour": fact.colour,
     }
     facts = [rng.choice(group).format(**values)
-             for group in (_FACT_WHO, _FACT_WHEN, _FACT_WHERE, _FACT_COUNT)]
+             for group in (_FACT_WHO, _FACT_WHEN, _FACT_WHERE, _FACT_COUNT, _FACT_KEEPER,
+                           _FACT_COLOUR)]
     intro = rng.choice(_INTRO).format(**values)
     rng.shuffle(facts)
     filler = list(_FILLER)
@@ -279,6 +312,13 @@ def _answer(fact: Fact, what: str, rng: random.Random) -> str:
         return rng.choice((f"{fact.year}.", f"In {fact.year}."))
     if what == "where":
         return rng.choice((f"{fact.town}.", f"Near {fact.town}."))
+    if what == "keeper":
+        return rng.choice((f"{fact.keeper}.", f"{fact.keeper} keeps the keys."))
+    if what == "colour":
+        return rng.choice((f"{_cap(fact.colour)}.", f"The shutters are {fact.colour}."))
+    if what == "story":
+        return (f"{_cap(fact.title)} was {kind.made} by {fact.person} in {fact.year}. "
+                f"The {kind.noun} lies {kind.place.format(town=fact.town)}.")
     return f"{fact.count}."
 
 
