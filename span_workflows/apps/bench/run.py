@@ -129,6 +129,7 @@ def bench_reposition(block_counts: Sequence[int], reps: int = 5) -> list[dict[st
     import torch
 
     from span_vllm import CpuKeyLayout, RopeRotator
+    from span_workflows.model import BASE_MODEL_NAME
 
     layers, heads, bs, dim = 30, 3, 32, 64
     rotator, layout = RopeRotator.from_base(100000.0, dim), CpuKeyLayout(dim)
@@ -150,7 +151,9 @@ def bench_reposition(block_counts: Sequence[int], reps: int = 5) -> list[dict[st
             copy_t.append(time.perf_counter() - t)
         tokens = blocks * bs
         rot, cp = statistics.median(rot_t), statistics.median(copy_t)
-        rows.append({"blocks": blocks, "tokens": tokens,
+        rows.append({"model": f"{BASE_MODEL_NAME} KV shapes (random values): {layers} "
+                              f"layers, {heads} KV heads of {dim}, blocks of {bs}",
+                     "blocks": blocks, "tokens": tokens,
                      "rotate_tokens_per_ms": tokens / (rot * 1000),
                      "copy_tokens_per_ms": tokens / (cp * 1000), "ratio_to_copy": cp / rot})
     return rows

@@ -60,6 +60,7 @@ def test_reposition_bench_compares_with_a_plain_copy() -> None:
     rows = bench.bench_reposition([1, 4], reps=1)
     assert [r["tokens"] for r in rows] == [32, 128]
     assert all(r["rotate_tokens_per_ms"] > 0 and r["ratio_to_copy"] > 0 for r in rows)
+    assert all(r["model"].startswith("smollm2-135m-instruct KV shapes") for r in rows)
 
 
 def test_cli_writes_json_and_plot(tmp_path: Path) -> None:
