@@ -360,7 +360,7 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
         earlier_seconds = float(state.get("seconds", 0.0))
     stream = ExampleStream(config, tokenizer)
     run = _RunInfo(config, model or BASE_MODEL_NAME, base_path.name, device, recipe,
-                   stream.checksum(), config.init_adapter)
+                   stream.checksum())
     end = len(stream) if stop_after is None else min(len(stream), stop_after)
     bar = tqdm(total=len(stream), initial=report.examples, desc="tune", unit="ex",
                disable=not progress)
@@ -424,7 +424,6 @@ class _RunInfo:
     device: str
     recipe: str | None
     data_sha256: str
-    init_adapter: str | None
 
 
 def training_log(run: _RunInfo, examples: int, losses: list[float],
