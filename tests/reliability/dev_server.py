@@ -4,13 +4,15 @@ tests that compare every output with the same request run alone on a fresh cache
 from __future__ import annotations
 
 import re
+import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from shared_server import dev_mode_server
+import pytest
+from process_leaks import shm_names
+
+from span_workflows.serving.launch import free_port, start_server_process, stop_server_process
 
 
 def reset_server_cache(client: httpx.Client) -> None:
@@ -25,15 +27,59 @@ def reset_server_cache(client: httpx.Client) -> None:
         time.sleep(0.2)
 
 
-@contextmanager
-def small_pool_server(log_path: Path, blocks: int, max_model_len: int,
-                      max_num_seqs: int) -> Iterator[httpx.Client]:
-    """A dev-mode server whose KV cache holds only ``blocks`` blocks; yields a client to it."""
-    with dev_mode_server(log_path, kv_cache_gib=1, timeout=400, max_model_len=max_model_len,
-                         extra_args=["--num-gpu-blocks-override", str(blocks),
-                                     "--max-num-seqs", str(max_num_seqs)]) as (_, url):
-        with httpx.Client(base_url=url, timeout=300) as client:
-            yield client
+#: The small pool's size: 48 blocks of 32 tokens, about three 4-document queries.
+SMALL_POOL_BLOCKS = 48
+
+
+class SmallPoolServer:
+    """A dev-mode server whose KV cache holds only :data:`SMALL_POOL_BLOCKS` blocks, shared by
+    the reliability modules that need a pool they can fill (cache pressure, isolation) and the
+    one that kills a server (faults): each start loads vLLM and the model again, so the fault
+    test kills this server and :meth:`start` brings it back on the same port for the modules
+    after it. ``client`` is a client of the current process (a new one after each start)."""
+
+    def __init__(self, log_dir: Path, max_model_len: int = 32 * (SMALL_POOL_BLOCKS - 2),
+                 max_num_seqs: int = 8) -> None:
+        self.log_dir = log_dir
+        # vLLM starts only if its longest request fits in the pool (less its reserved block)
+        self.options = {"kv_cache_gib": 1, "timeout": 400, "max_model_len": max_model_len,
+                        "extra_args": ["--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS),
+                                       "--max-num-seqs", str(max_num_seqs)]}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        #: the files in /dev/shm just before the current process started
+        self.shm_before_start: set[str] = set()
+        self._client: httpx.Client | None = None
+
+    def start(self) -> None:
+        """Start the server (again) on its port; returns once it answers ``/health``."""
+        self.starts += 1
+        self.shm_before_start = shm_names()
+        log = self.log_dir / f"server-{self.starts}.log"
+        # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("VLLM_SERVER_DEV_MODE", "1")
+            self.proc, url = start_server_process(port=self.port, log_path=log, **self.options)
+        assert url == self.url
+        if self._client is not None:
+            self._client.close()
+        self._client = httpx.Client(base_url=self.url, timeout=300)
+
+    @property
+    def client(self) -> httpx.Client:
+        assert self._client is not None, "the small-pool server was never started"
+        return self._client
+
+    def stop(self) -> None:
+        """Stop the current process (killed ones included) and close the client."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self.proc is not None:
+            stop_server_process(self.proc)
+            assert self.proc.poll() is not None
 
 
 def run_query(client: httpx.Client, payload: dict) -> dict:

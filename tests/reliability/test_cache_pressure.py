@@ -1,8 +1,8 @@
-"""Cache pressure: a server whose KV cache (48 blocks of 32 tokens, ``--num-gpu-blocks-override``)
-holds about three queries while the working set is ~20 documents of 3 blocks. Evictions happen
-every few requests; every output must equal the same request run alone on a fresh cache
-(``/reset_prefix_cache``), including spans that were repositioned or duplicated, then evicted
-and re-created."""
+"""Cache pressure: the small-pool server, whose KV cache (48 blocks of 32 tokens,
+``--num-gpu-blocks-override``) holds about three queries while the working set is ~20
+documents of 3 blocks. Evictions happen every few requests; every output must equal the same
+request run alone on a fresh cache (``/reset_prefix_cache``), including spans that were
+repositioned or duplicated, then evicted and re-created."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from dev_server import rag_payload, reset_server_cache, run_query, small_pool_server, span_counters
+from dev_server import (
+    SMALL_POOL_BLOCKS,
+    SmallPoolServer,
+    rag_payload,
+    reset_server_cache,
+    run_query,
+    span_counters,
+)
 
 pytestmark = pytest.mark.engine
 
-BLOCKS = 48
+BLOCKS = SMALL_POOL_BLOCKS
 TOPICS = ["otters", "glaciers", "violins", "comets", "bakeries", "tides", "falcons", "deserts",
           "lanterns", "orchards", "volcanoes", "libraries", "harbors", "meteors", "beehives",
           "canyons", "ferries", "mosses", "windmills", "coral reefs"]
@@ -33,10 +40,8 @@ def query(docs: list[int], question: str = "Which topics appear?", system: str =
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("pressure") / "server.log"
-    with small_pool_server(log, BLOCKS, max_model_len=1024, max_num_seqs=8) as client:
-        yield client
+def http(small_pool: SmallPoolServer) -> httpx.Client:
+    return small_pool.client
 
 
 run = run_query

@@ -2,26 +2,27 @@
 a plain request; the client raises ServerUnavailableError naming the URL (and retries while a
 server cannot be reached, when asked to); no process of the dead server is left; a restarted
 server on the same port answers a request that was sent while it was still down, correctly and
-from an empty cache. And the embedded engine shuts down cleanly: no child processes, no
-shared-memory files left behind (checked in a subprocess)."""
+from an empty cache. The server killed is the small-pool one the other reliability modules
+share (``dev_server.SmallPoolServer``): its restart here serves the modules after it. (That an
+engine shut down at the end of a user's command leaves no child process and no shared memory
+behind is checked on the CLI's ``run``, tests/apps/cli/test_cli.py.)"""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from dev_server import SmallPoolServer
+from process_leaks import mapped_by_others
 
 from span_workflows.builders import g, rag, user
 from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
-from span_workflows.serving.launch import free_port, start_server_process, stop_server_process
+from span_workflows.serving.launch import free_port, stop_server_process
 
 pytestmark = pytest.mark.engine
 
@@ -44,15 +45,10 @@ def _group(pgid: int) -> list[psutil.Process]:
     return alive
 
 
-def _start(port: int, log: Path):
-    return start_server_process(port=port, kv_cache_gib=1, timeout=400, log_path=log,
-                                max_model_len=2048)
-
-
-def test_kill_mid_request_then_restart_with_retries(tmp_path: Path) -> None:
-    port = free_port()
-    shm_before = set(os.listdir("/dev/shm"))
-    proc, url = _start(port, tmp_path / "first.log")
+def test_kill_mid_request_then_restart_with_retries(small_pool: SmallPoolServer) -> None:
+    shm_before = small_pool.shm_before_start
+    proc, url = small_pool.proc, small_pool.url
+    assert proc is not None and proc.poll() is None
     try:
         with SpanServer(url, timeout=120) as client:
             reference = client.execute(QUERY)
@@ -91,7 +87,7 @@ def test_kill_mid_request_then_restart_with_retries(tmp_path: Path) -> None:
                 t.join(60)
             assert not any(t.is_alive() for t in threads)
     finally:
-        stop_server_process(proc)
+        stop_server_process(proc)  # whatever the kill left of its process group
     # A request whose answer ended (EOS) before the kill completes; every other one fails.
     assert errors, "no request was in flight when the server was killed"
     assert set(errors) | set(finished) == {"stream", "execute"}
@@ -108,7 +104,7 @@ def test_kill_mid_request_then_restart_with_retries(tmp_path: Path) -> None:
     # MiB each) in /dev/shm: nobody is left to unlink them. Count them, then remove the ones
     # that appeared since this server started and no live process maps.
     left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")}
-    left -= _mapped_by_others(left)
+    left -= mapped_by_others(left)
     FAULTS["shm_segments_left_by_sigkill"] = len(left)
     for name in left:
         Path("/dev/shm", name).unlink(missing_ok=True)
@@ -123,18 +119,13 @@ def test_kill_mid_request_then_restart_with_retries(tmp_path: Path) -> None:
     FAULTS["refused_with_retries"] = 1
 
     # Restart on the same port; a client with retries sent its request while it was down.
-    box: dict[str, object] = {}
-
-    def restart() -> None:
-        box["server"] = _start(port, tmp_path / "second.log")
-
-    starter = threading.Thread(target=restart)
+    starter = threading.Thread(target=small_pool.start)
     starter.start()
     try:
         with SpanServer(url, retries=900, timeout=120) as client:
             answer = client.execute(QUERY)  # connection refused until the server is up
         starter.join(60)
-        assert "server" in box
+        assert small_pool.proc is not proc and small_pool.proc.poll() is None
         assert answer.text == reference.text
         assert answer.metrics.prepare_requests == fresh_prepares  # the cache was empty
         with SpanServer(url) as client:
@@ -142,8 +133,6 @@ def test_kill_mid_request_then_restart_with_retries(tmp_path: Path) -> None:
             assert client.execute(QUERY).metrics.prepare_requests == 0
     finally:
         starter.join(400)
-        if "server" in box:
-            stop_server_process(box["server"][0])  # type: ignore[index]
     FAULTS["restarted"] = 1
     print(f"\nfaults survived: {FAULTS}")
 
@@ -158,67 +147,3 @@ def test_client_errors_on_a_port_nobody_listens_on() -> None:
         assert not client.health()
     assert issubclass(ServerUnavailableError, ConnectionError)
     assert not issubclass(ServerError, ConnectionError)
-
-
-SHUTDOWN_SCRIPT = r"""
-import gc, json, os, sys, threading
-import psutil
-def shm():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-def fds():
-    return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{fd}")}
-before = {"shm": shm(), "fds": fds()}
-from span_workflows.engine import Engine
-from span_workflows.builders import rag
-engine = Engine(kv_cache_gib=1)
-result = engine.execute(rag("Be brief.", ["Doc one.", "Doc two."], "Which docs?", max_tokens=3,
-                            temperature=0.0))
-during = {"children": len(psutil.Process().children(recursive=True)), "shm": shm()}
-engine.close()
-engine.close()  # idempotent
-del engine
-gc.collect()
-me = psutil.Process()
-children = [c for c in me.children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
-maps = open("/proc/self/maps").read()
-print(json.dumps({
-    "text": result.text,
-    "children_during": during["children"],
-    "children_after": [c.pid for c in children],
-    "shm_mapped_after": sorted({line.split(None, 5)[-1] for line in maps.splitlines()
-                                if "/dev/shm/" in line and not line.endswith("(deleted)")}),
-    "shm_new_after_close": sorted(shm() - before["shm"]),
-    "shm_new_during": sorted(during["shm"] - before["shm"]),
-    "threads_after": [t.name for t in threading.enumerate()],
-}), flush=True)
-"""
-
-
-def _mapped_by_others(names: set[str]) -> set[str]:
-    """Shared-memory names some other live process maps or holds open (concurrent users)."""
-    held = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            text = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        held |= {n for n in names if f"/dev/shm/{n}" in text}
-    return held
-
-
-def test_embedded_engine_shuts_down_cleanly(tmp_path: Path) -> None:
-    shm_before = set(os.listdir("/dev/shm"))
-    done = subprocess.run([sys.executable, "-c", SHUTDOWN_SCRIPT], capture_output=True,
-                          text=True, timeout=400, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report["text"]
-    assert report["children_after"] == []
-    assert report["shm_mapped_after"] == []  # unlinked semaphores ("(deleted)") aside
-    new = set(os.listdir("/dev/shm")) - shm_before
-    leaked = new - _mapped_by_others(new)
-    assert not leaked, (leaked, report)
-    print(f"\nembedded shutdown: {report}")

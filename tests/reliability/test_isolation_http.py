@@ -1,4 +1,4 @@
-"""Isolation over HTTP on a server with a tiny KV cache (30 blocks of 32 tokens): copies a hit
+"""Isolation over HTTP on the small-pool server (48 blocks of 32 tokens): copies a hit
 needs never find the pool empty, tenants with different cache salts share no span, and requests
 through vLLM's own endpoints cannot borrow span semantics."""
 
@@ -9,7 +9,14 @@ import threading
 
 import httpx
 import pytest
-from dev_server import rag_payload, reset_server_cache, run_query, small_pool_server, span_counters
+from dev_server import (
+    SMALL_POOL_BLOCKS,
+    SmallPoolServer,
+    rag_payload,
+    reset_server_cache,
+    run_query,
+    span_counters,
+)
 
 from span_workflows.ir import Cross, Fragment, Plus, System, User
 from span_workflows.json_ir import to_obj
@@ -17,7 +24,6 @@ from span_workflows.model import BASE_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
-BLOCKS = 30
 SYSTEM = "Answer in a few words using the documents."
 SPAN = ("The lighthouse of Varnholm was built by Elira Quast in 1842 and still guides the "
         "fishing boats home. ") * 3
@@ -34,10 +40,8 @@ def _query(docs: list[str], question: str, max_tokens: int = 6,
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("isolation") / "server.log"
-    with small_pool_server(log, BLOCKS, max_model_len=896, max_num_seqs=4) as client:
-        yield client
+def http(small_pool: SmallPoolServer) -> httpx.Client:
+    return small_pool.client
 
 
 _run = run_query
@@ -56,7 +60,8 @@ def test_a_copy_never_finds_the_pool_empty(http: httpx.Client) -> None:
     a = _query([SPAN], "Who built the lighthouse? Then tell me all you know about it.",
                max_tokens=160, weights=BASE_MODEL_NAME)
     waited = _counters(http)["deferred_hits"]
-    for tail_blocks in range(16, 23, 2):
+    # B's tail from about the blocks A leaves free (A holds ~9) to more than that
+    for tail_blocks in range(SMALL_POOL_BLOCKS - 14, SMALL_POOL_BLOCKS - 7, 2):
         question = "Who built the lighthouse? " + "Think step by step. " * (6 * tail_blocks)
         b = _query([OTHER, SPAN], question, max_tokens=4, weights=BASE_MODEL_NAME)
         reset_server_cache(http)

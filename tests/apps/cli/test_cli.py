@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_leaks import REPORT_AFTER_CLI, leaked_since, shm_names
 
 from span_workflows import rag, to_json
 
@@ -34,9 +35,11 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 @pytest.mark.engine
-def test_run_json_shows_the_cache_hit_quietly(tmp_path: Path) -> None:
+def test_run_json_shows_the_cache_hit_quietly_and_leaves_nothing_behind(tmp_path: Path) -> None:
     """Two RAG queries in one ``run``: the second finds the first's documents in another
-    order; stderr is one progress line (no vLLM log)."""
+    order; stderr is one progress line (no vLLM log). Once the command has returned, its
+    engine is shut down: no child process is left, no shared memory mapped or left in
+    /dev/shm (the process reports on itself, ``process_leaks.REPORT_AFTER_CLI``)."""
     a = _write(tmp_path, "a.json", to_json(rag("Answer briefly.", DOCS, "Who kept the light?",
                                                max_tokens=12)))
     b = _write(tmp_path, "b.json", to_json(rag("Answer briefly.", DOCS[::-1],
@@ -44,9 +47,16 @@ def test_run_json_shows_the_cache_hit_quietly(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "server"), os.environ.get("PYTHONPATH", "")])}
     env.pop("VLLM_LOGGING_LEVEL", None)  # what a user's shell has: the CLI quiets vLLM itself
-    done = _run("run", str(a), str(b), "--json", env=env)
+    report = tmp_path / "after.json"
+    shm_before = shm_names()
+    done = subprocess.run([sys.executable, "-c", REPORT_AFTER_CLI, str(report), "run", str(a),
+                           str(b), "--json"], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == ["span-workflows: starting the engine..."]
+    after = json.loads(report.read_text())
+    assert after == {"children_after": [], "shm_mapped_after": []}, after
+    assert not leaked_since(shm_before)
     results = json.loads(done.stdout)
     assert [set(r["metrics"]) >= {"ttft_s", "prompt_tokens", "cached_tokens",
                                   "generated_tokens"} for r in results] == [True, True]

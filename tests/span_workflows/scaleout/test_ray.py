@@ -22,18 +22,15 @@ DOCS = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(70)) for i in ra
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Ray with the application on two stand-in replicas; yields the ingress URL."""
+def cluster(tmp_path_factory, local_ray):
+    """The application on two stand-in replicas on the session's local Ray; yields the
+    ingress URL."""
     from ray import serve
 
     from span_workflows.scaleout.deployment import APP_NAME, ClusterOptions, build_app
     from span_workflows.serving.launch import free_port
 
     stub_dir = tmp_path_factory.mktemp("stub")
-    # a shared machine: Ray's memory monitor would kill workers for others' memory use
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     # max_share off: these tests follow affinity and faults, the bound has its own test
@@ -41,10 +38,10 @@ def cluster(tmp_path_factory):
                              server_command=(sys.executable, str(STUB), "{port}"),
                              env={"STUB_DIR": str(stub_dir)}, request_timeout_s=60)
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
-    monkeypatch.undo()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
 
 
 def ask(url: str, docs: list[str], question: str = "Which?") -> httpx.Response:

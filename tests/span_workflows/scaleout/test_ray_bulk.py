@@ -24,20 +24,6 @@ QUERIES = [rag(SYSTEM, [DOCS[t][j], DOCS[t][(j + 1) % 3]], f"Which note on {t} i
                max_tokens=4) for j in range(2) for t in TOPICS]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    from span_workflows.scaleout.bulk import forwarded_env
-
-    monkeypatch = pytest.MonkeyPatch()
-    # a shared machine: Ray's memory monitor would kill workers for others' memory use
-    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": forwarded_env()})
-    yield
-    ray.shutdown()
-    monkeypatch.undo()
-
-
 def engine_pids() -> list[int]:
     """The process ids of the live span-engine actors. Read from the GCS's actor table:
     ``ray.util.state`` would need the dashboard, which this cluster runs without."""
