@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
@@ -36,3 +37,42 @@ def test_stamp_adds_provenance_and_keeps_a_rows_own_reps() -> None:
     rows = stamp([{"n_docs": 1}, {"n_docs": 2, "reps": 1}], reps=3)
     assert [r["reps"] for r in rows] == [3, 1]
     assert all(r["commit"] == commit() and r["machine"] == machine() for r in rows)
+
+
+#: Answer caches, not tables: each entry's key names the model it was answered by.
+ANSWER_CACHES = {"lint_checks.json", "quality_answers.json"}
+#: Committed tables written before their bench recorded its provenance (each leaves this set
+#: when its bench runs again; the test below fails if one already carries it).
+NOT_YET_STAMPED = {"lint.json", "locality.json", "quality.json", "tool-tuning.json"}
+
+
+def _rows(data: object) -> list[dict]:
+    """A results file's rows: its list, its ``provenance`` record, its lists of rows (one file
+    may hold several tables), or the file itself."""
+    if isinstance(data, list):
+        return [r for r in data if isinstance(r, dict)]
+    assert isinstance(data, dict)
+    if "provenance" in data:
+        return [data["provenance"]]
+    tables = [v for v in data.values()
+              if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+    return [r for table in tables for r in table] or [data]
+
+
+def test_every_committed_table_names_its_commit_machine_and_the_model_it_timed() -> None:
+    from span_workflows.apps.bench.options import RESULTS
+
+    checked = set()
+    for path in sorted(RESULTS.glob("*.json")):
+        if path.name in ANSWER_CACHES:
+            continue
+        rows = _rows(json.loads(path.read_text()))
+        stamped = all("commit" in r and "machine" in r for r in rows)
+        assert stamped == (path.name not in NOT_YET_STAMPED), path.name
+        if stamped:
+            checked.add(path.name)
+            # a row that timed an engine names the model and how often it was measured
+            for row in rows:
+                if any(k.startswith("ttft") for k in row):
+                    assert "model" in row and "reps" in row, (path.name, row)
+    assert checked, f"no results in {RESULTS}"
