@@ -62,6 +62,14 @@ class Metrics:
         return read / self.nested_tokens
 
     @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens this query's requests computed rather than read from the cache: its
+        prepare and link requests' (``prepared_tokens``) and its final prompts' uncached ones
+        (nested G's prompts aside). What a miss costs in compute on any device: block padding
+        included, unlike ``prompt_tokens`` of a stock prompt."""
+        return self.prepared_tokens + max(0, self.prompt_tokens - self.cached_tokens)
+
+    @property
     def reused_tokens(self) -> int:
         """Prompt tokens of the final generations that were in the cache before the query
         started: ``cached_tokens`` less what the query's prepare requests computed."""

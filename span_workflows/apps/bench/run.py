@@ -3,7 +3,8 @@
 Every number of one table comes from the same process, engine, model and inputs, so ratios are
 meaningful on a shared, noisy machine even when absolute times are not.
 
-* ``rag`` — N documents × ``--doc-tokens`` tokens and a question: TTFT and engine steps of
+* ``rag`` — N documents × ``--doc-tokens`` tokens and a question: TTFT, engine steps and
+  prompt tokens computed (``Metrics.computed_tokens``: what carries over to a GPU) of
   *stock* (plain chat prompt, vLLM prefix caching on, documents shuffled per request as a
   retriever returns them), *span miss* (empty cache, prepares included), *span hit* of the same
   documents seen before in another order (*reordered*) and of a *new combination* (every
@@ -99,6 +100,7 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
         med = statistics.median
         ttft = {k: med(r.metrics.ttft_s for r in v) for k, v in runs.items()}
         steps = {k: int(med(r.metrics.engine_steps for r in v)) for k, v in runs.items()}
+        computed = {k: int(med(r.metrics.computed_tokens for r in v)) for k, v in runs.items()}
         rows.append({
             "n_docs": n,
             "ttft_stock_s": ttft["stock"], "ttft_span_miss_s": ttft["miss"],
@@ -111,6 +113,9 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             "new_combination_over_floor": ttft["combo"] / ttft["floor"],
             "steps_stock": steps["stock"], "steps_miss": steps["miss"],
             "steps_hit": steps["hit"], "steps_new_combination": steps["combo"],
+            "tokens_stock": computed["stock"], "tokens_miss": computed["miss"],
+            "tokens_hit": computed["hit"], "tokens_new_combination": computed["combo"],
+            "miss_tokens_over_stock": computed["miss"] / computed["stock"],
             "hit_rate": med(hits), "same_output": all(same),
             "weights_span": runs["combo"][-1].metrics.weights,
             "weights_stock": runs["stock"][-1].metrics.weights,

@@ -14,8 +14,10 @@ RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
             "ttft_span_new_combination_s", "ttft_floor_s", "speedup_hit",
             "speedup_new_combination", "speedup_miss", "hit_over_floor",
             "new_combination_over_floor", "steps_stock", "steps_miss", "steps_hit",
-            "steps_new_combination", "hit_rate", "same_output", "weights_span",
-            "weights_stock", "commit", "machine", "reps", "model", "model_dir", "adapters"}
+            "steps_new_combination", "tokens_stock", "tokens_miss", "tokens_hit",
+            "tokens_new_combination", "miss_tokens_over_stock", "hit_rate", "same_output",
+            "weights_span", "weights_stock", "commit", "machine", "reps", "model", "model_dir",
+            "adapters"}
 
 
 @pytest.mark.engine
@@ -31,6 +33,9 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
         # span queries on the span-ready adapter, stock on the base, said in the row
         assert row["weights_span"] != row["weights_stock"] == engine.model_name
         assert row["model"] == engine.model_name and row["reps"] == 1
+        # a miss computes every document, padded to whole blocks; a hit only the question
+        assert row["tokens_miss"] >= row["tokens_stock"] > row["tokens_hit"] > 0
+        assert row["miss_tokens_over_stock"] == row["tokens_miss"] / row["tokens_stock"]
     one, three = rows
     assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
     # the span-ready adapter needs no link blocks: a new combination is the answer's step
