@@ -301,7 +301,7 @@ def markdown_report(rows: list[dict[str, Any]], copy_tokens: int) -> str:
         f"({copied}), judge max_tokens=12, temperature 0. EM = exact match (± = 95 % Wilson "
         "half-width), F1 = token F1. *Round-1 judge*: inside each tournament, the first-round "
         "2-way judge whose pair holds the needle. Written by `span-workflows bench locality "
-        "--markdown`; the method is in `span_workflows/bench_locality.py`.\n\n"
+        "--markdown`; the method is in `span_workflows/apps/bench/locality.py`.\n\n"
         + markdown_table(rows)
     )
 
