@@ -29,14 +29,20 @@ class SharedServer:
     url: str
 
 
-@contextmanager
-def dev_mode_server(log_path: Path, **options: Any) -> Iterator[tuple[subprocess.Popen, str]]:
+def start_dev_mode_server(log_path: Path, **options: Any) -> tuple[subprocess.Popen, str]:
     """Start ``span-workflows serve`` (``options`` as for ``start_server_process``) with
-    ``/reset_prefix_cache`` on; yield ``(process, url)``; stop it and check it has exited."""
+    ``/reset_prefix_cache`` on; return ``(process, url)`` once it is healthy."""
     # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")
-        proc, url = start_server_process(log_path=log_path, **options)
+        return start_server_process(log_path=log_path, **options)
+
+
+@contextmanager
+def dev_mode_server(log_path: Path, **options: Any) -> Iterator[tuple[subprocess.Popen, str]]:
+    """:func:`start_dev_mode_server`; yield ``(process, url)``; stop it and check it has
+    exited."""
+    proc, url = start_dev_mode_server(log_path, **options)
     try:
         yield proc, url
     finally:

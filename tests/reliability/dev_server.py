@@ -9,10 +9,10 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from process_leaks import shm_names
+from shared_server import start_dev_mode_server
 
-from span_workflows.serving.launch import free_port, start_server_process, stop_server_process
+from span_workflows.serving.launch import free_port, stop_server_process
 
 
 def reset_server_cache(client: httpx.Client) -> None:
@@ -58,10 +58,7 @@ class SmallPoolServer:
         self.starts += 1
         self.shm_before_start = shm_names()
         log = self.log_dir / f"server-{self.starts}.log"
-        # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("VLLM_SERVER_DEV_MODE", "1")
-            self.proc, url = start_server_process(port=self.port, log_path=log, **self.options)
+        self.proc, url = start_dev_mode_server(log, port=self.port, **self.options)
         assert url == self.url
         if self._client is not None:
             self._client.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 from dev_server import SmallPoolServer
-from process_leaks import mapped_by_others
+from process_leaks import mapped_by_others, shm_names
 
 from span_workflows.builders import g, rag, user
 from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
@@ -103,7 +103,7 @@ def test_kill_mid_request_then_restart_with_retries(small_pool: SmallPoolServer)
     # Finding (tests/README.md): SIGKILL leaves vLLM's shared-memory buffers (psm_*, 160-240
     # MiB each) in /dev/shm: nobody is left to unlink them. Count them, then remove the ones
     # that appeared since this server started and no live process maps.
-    left = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("psm_")}
+    left = {n for n in shm_names() - shm_before if n.startswith("psm_")}
     left -= mapped_by_others(left)
     FAULTS["shm_segments_left_by_sigkill"] = len(left)
     for name in left:
