@@ -9,7 +9,9 @@ meaningful on a shared, noisy machine even when absolute times are not.
   retriever returns them), *span miss* (empty cache, prepares included), *span hit* of the same
   documents seen before in another order (*reordered*) and of a *new combination* (every
   document cached by earlier queries of N documents, never this set: what a retriever asks),
-  and the *floor* (the question alone).
+  *new documents* (none cached, the system prompt seen before: what every retrieval after an
+  engine's first computes; stock beside it after the same earlier query, its prefix cache
+  holding what vLLM keeps of it) and the *floor* (the question alone).
 * ``nested`` — judge/generator with a fan-out of n drafts, for each ``align``: the judge's
   TTFT and engine steps, the draft tokens it reads from cache and loses, the drafts' extra
   decode steps (:mod:`span_workflows.apps.bench.align`).
@@ -62,11 +64,13 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
     from span_workflows.apps.bench.quality import new_combinations
 
     rng = random.Random(0)
-    docs = documents(engine.tokenizer, max(docs_counts) * 3, doc_tokens)
+    *docs, other_doc = documents(engine.tokenizer, max(docs_counts) * 3 + 1, doc_tokens)
+    warm_up = rag(SYSTEM, [other_doc], QUESTION, max_tokens=1)  # a document of no pool
     rows = []
     for n in tqdm(docs_counts, desc="rag", disable=not progress):
         runs: dict[str, list[Any]] = {k: [] for k in ("stock", "miss", "hit", "combo",
-                                                      "floor")}
+                                                      "floor", "stock_new_docs",
+                                                      "new_docs")}
         same, hits = [], []
         pool = docs[: 3 * n]
         seen, fresh = new_combinations(pool, n, reps, seed=n) if n > 1 else (
@@ -97,6 +101,14 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             engine.reset_cache()
             runs["floor"].append(engine.stock(g(user(QUESTION), max_tokens=1,
                                                 temperature=0.0)))
+            # new documents after one earlier query with the same system prompt, both ways
+            engine.reset_cache()
+            engine.stock(warm_up)
+            engine.execute(warm_up)
+            runs["stock_new_docs"].append(engine.stock(rag(SYSTEM, shuffled, QUESTION,
+                                                           max_tokens=8)))
+            runs["new_docs"].append(engine.execute(rag(SYSTEM, chosen, QUESTION,
+                                                       max_tokens=8)))
         med = statistics.median
         ttft = {k: med(r.metrics.ttft_s for r in v) for k, v in runs.items()}
         steps = {k: int(med(r.metrics.engine_steps for r in v)) for k, v in runs.items()}
@@ -109,6 +121,12 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             "speedup_hit": ttft["stock"] / ttft["hit"],
             "speedup_new_combination": ttft["stock"] / ttft["combo"],
             "speedup_miss": ttft["stock"] / ttft["miss"],
+            "ttft_stock_new_docs_s": ttft["stock_new_docs"],
+            "ttft_span_new_docs_s": ttft["new_docs"],
+            "speedup_new_docs": ttft["stock_new_docs"] / ttft["new_docs"],
+            "steps_new_docs": steps["new_docs"],
+            "tokens_stock_new_docs": computed["stock_new_docs"],
+            "tokens_new_docs": computed["new_docs"],
             "hit_over_floor": ttft["hit"] / ttft["floor"],
             "new_combination_over_floor": ttft["combo"] / ttft["floor"],
             "steps_stock": steps["stock"], "steps_miss": steps["miss"],
@@ -276,8 +294,10 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         try:
             if name == "rag":
                 rows = bench_rag(engine, args.docs, args.doc_tokens, args.reps)
-                x, ys = "n_docs", ["ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
-                                   "ttft_span_new_combination_s", "ttft_floor_s"]
+                x, ys = "n_docs", ["ttft_stock_s", "ttft_span_miss_s",
+                                   "ttft_stock_new_docs_s", "ttft_span_new_docs_s",
+                                   "ttft_span_hit_s", "ttft_span_new_combination_s",
+                                   "ttft_floor_s"]
                 label = "TTFT (s)"
             else:
                 rows = stamp(bench_compile(engine, args.docs, args.doc_tokens, args.reps),

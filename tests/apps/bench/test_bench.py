@@ -17,7 +17,8 @@ RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
             "steps_new_combination", "tokens_stock", "tokens_miss", "tokens_hit",
             "tokens_new_combination", "miss_tokens_over_stock", "hit_rate", "same_output",
             "weights_span", "weights_stock", "commit", "machine", "reps", "model", "model_dir",
-            "adapters"}
+            "adapters", "ttft_stock_new_docs_s", "ttft_span_new_docs_s", "speedup_new_docs",
+            "steps_new_docs", "tokens_stock_new_docs", "tokens_new_docs"}
 
 
 @pytest.mark.engine
@@ -36,6 +37,9 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
         # a miss computes every document, padded to whole blocks; a hit only the question
         assert row["tokens_miss"] >= row["tokens_stock"] > row["tokens_hit"] > 0
         assert row["miss_tokens_over_stock"] == row["tokens_miss"] / row["tokens_stock"]
+        # with the system prompt cached before, new documents compute less than a cold miss
+        assert row["tokens_new_docs"] < row["tokens_miss"]
+        assert row["steps_new_docs"] == row["steps_miss"]
     one, three = rows
     assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
     # the span-ready adapter needs no link blocks: a new combination is the answer's step
