@@ -99,3 +99,11 @@ def shared_server(tmp_path_factory: pytest.TempPathFactory):
 
     with shared_server_process(tmp_path_factory.mktemp("shared-server") / "server.log") as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_tune_run(tmp_path_factory: pytest.TempPathFactory):
+    """The session's tiny tuning run and its merged checkpoint (:mod:`tiny_tune`)."""
+    from tiny_tune import run_tiny_tune
+
+    return run_tiny_tune(tmp_path_factory.mktemp("tiny-tune"))

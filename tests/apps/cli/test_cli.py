@@ -35,11 +35,14 @@ def _write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 @pytest.mark.engine
-def test_run_json_shows_the_cache_hit_quietly_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    """Two RAG queries in one ``run``: the second finds the first's documents in another
-    order; stderr is one progress line (no vLLM log). Once the command has returned, its
-    engine is shut down: no child process is left, no shared memory mapped or left in
-    /dev/shm (the process reports on itself, ``process_leaks.REPORT_AFTER_CLI``)."""
+def test_run_json_shows_the_cache_hit_quietly_and_leaves_nothing_behind(
+        tmp_path: Path, tiny_tune_run) -> None:  # type: ignore[no-untyped-def]
+    """Two RAG queries in one ``run`` on a model of the user's own (``--model DIR``: the
+    checkpoint the session's tiny tuning run merged, ``tiny_tune.py``): the second finds the
+    first's documents in another order; the engine takes the span options the model records
+    (no link blocks); stderr is one progress line (no vLLM log). Once the command has
+    returned, its engine is shut down: no child process is left, no shared memory mapped or
+    left in /dev/shm (the process reports on itself, ``process_leaks.REPORT_AFTER_CLI``)."""
     a = _write(tmp_path, "a.json", to_json(rag("Answer briefly.", DOCS, "Who kept the light?",
                                                max_tokens=12)))
     b = _write(tmp_path, "b.json", to_json(rag("Answer briefly.", DOCS[::-1],
@@ -50,8 +53,8 @@ def test_run_json_shows_the_cache_hit_quietly_and_leaves_nothing_behind(tmp_path
     report = tmp_path / "after.json"
     shm_before = shm_names()
     done = subprocess.run([sys.executable, "-c", REPORT_AFTER_CLI, str(report), "run", str(a),
-                           str(b), "--json"], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=tmp_path)
+                           str(b), "--model", str(tiny_tune_run.merged), "--json"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == ["span-workflows: starting the engine..."]
     after = json.loads(report.read_text())
@@ -62,7 +65,9 @@ def test_run_json_shows_the_cache_hit_quietly_and_leaves_nothing_behind(tmp_path
                                   "generated_tokens"} for r in results] == [True, True]
     first, second = (r["metrics"] for r in results)
     # The first query computes its documents in prepare requests; the second finds them all.
-    assert first["prepare_requests"] > 0 and second["prepare_requests"] == 0
+    assert first["prepare_requests"] == len(DOCS) and second["prepare_requests"] == 0
+    # the model records no link blocks (the library's default links every span but the first)
+    assert first["link_requests"] == second["link_requests"] == 0
     assert second["cached_tokens"] >= 0.8 * second["prompt_tokens"]
     assert all(r["text"] for r in results)
 

@@ -1,17 +1,17 @@
 """``span-workflows tune`` on a tiny budget: the loss falls, a stopped run resumes where it
-stopped, the adapter loads, and the merged model is a plain checkpoint the engine serves."""
+stopped, the adapter loads, and the merged model is a plain checkpoint (``test_cli`` serves
+it)."""
 
 from __future__ import annotations
 
 import json
 import re
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from tiny_tune import TINY, TinyTuneRun
 
 from span_workflows.apps.cli.main import main
 from span_workflows.tune.train import (
@@ -24,9 +24,6 @@ from span_workflows.tune.train import (
 
 pytestmark = pytest.mark.engine
 
-TINY = ["--examples", "12", "--accumulate", "3", "--max-doc-tokens", "96", "--max-docs", "3",
-        "--rank", "4", "--learning-rate", "2e-3", "--seed", "5"]
-
 
 def _config() -> TuneConfig:
     return TuneConfig(examples=12, accumulate=3, rank=4, alpha=8, learning_rate=2e-3, seed=5,
@@ -38,17 +35,17 @@ def _mean_loss(model, stream: ExampleStream, items: range) -> float:
         return statistics.fmean(float(item_loss(model, stream.item(i))) for i in items)
 
 
-def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, capsys) -> None:
-    out = tmp_path / "run"
-    assert main(["tune", "--out", str(out), *TINY, "--stop-after", "6"]) == 0
-    said = capsys.readouterr().out
-    assert "stopped at 6 of 12" in said and "min per 1k examples" in said
-    state = json.loads((out / "checkpoint" / "state.json").read_text())
+def test_tune_learns_resumes_and_merges(tiny_tune_run: TinyTuneRun, tmp_path: Path,
+                                       capsys) -> None:
+    run = tiny_tune_run
+    out, merged = run.out, run.merged
+    assert run.stopped_code == 0
+    assert "stopped at 6 of 12" in run.stopped_said and "min per 1k examples" in run.stopped_said
+    state = run.stopped_state
     assert state["examples"] == 6 and len(state["losses"]) == 2
-    assert not (out / "adapter").exists()
-    merged = tmp_path / "merged"
-    assert main(["tune", "--out", str(out), *TINY, "--merge", str(merged)]) == 0
-    said = capsys.readouterr().out
+    assert not run.adapter_after_stop
+    assert run.finished_code == 0
+    said = run.finished_said
     assert f"adapter: {out / 'adapter'}" in said and "trained 6 examples" in said
     log = json.loads((out / "adapter" / "training_log.json").read_text())
     assert log["examples"] == 12 and log["losses"][:2] == state["losses"]  # resumed, not redone
@@ -80,27 +77,11 @@ def test_tune_learns_resumes_merges_and_the_merged_model_serves(tmp_path: Path, 
     assert "--out" in capsys.readouterr().err
 
     # the merged checkpoint is a plain model that records the span options it was trained
-    # for; the engine serves it (another process)
+    # for (tests/apps/cli/test_cli.py serves it: an engine on it takes those options)
     assert (merged / "config.json").is_file() and not (merged / "adapter_config.json").exists()
     from span_workflows.model import span_defaults
 
     assert span_defaults(merged) == {"attend": "prefix", "link_blocks": 0}
-    query = tmp_path / "q.json"
-    docs = [{"user": "The Plyack Mill was built in 1788. " * 3},
-            {"user": "The Jueng Library has four reading rooms. " * 3}]
-    query.write_text(json.dumps({"g": {"input": [{"system": "Answer briefly."},
-                                                 {"plus": docs},
-                                                 {"user": "When was the mill built?"}],
-                                       "max_tokens": 4, "temperature": 0.0}}))
-    run = subprocess.run([sys.executable, "-m", "span_workflows.apps.cli.main", "run", str(query),
-                          "--model", str(merged), "--json"], capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    [answer] = json.loads(run.stdout)
-    assert answer["metrics"]["generated_tokens"] >= 1 and answer["text"].strip()
-    # its engine took the options the model records: no link blocks (the base's default
-    # links the second document)
-    assert answer["metrics"]["prepare_requests"] == 2 and answer["metrics"]["link_requests"] == 0
 
 
 def test_an_agent_turn_is_trained_on_the_prompt_the_engine_runs_for_it(engine) -> None:
