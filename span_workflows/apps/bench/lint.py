@@ -259,7 +259,9 @@ def run_lint_bench(args: Any) -> int:
         command += f" --answers {args.answers}"
     from span_workflows.apps.bench.provenance import provenance
 
-    result = {"provenance": provenance(engine, reps=trials),
+    result = {"provenance": {**provenance(engine, reps=trials, model=model),
+                             "order_checks_run": len(missing),
+                             "order_checks_read": len(cases) - len(missing)},
               "settings": {"command": command, "model": model, "trials": trials,
                            "answer_tokens": DEFAULT_ANSWER_TOKENS, "margin": DEFAULT_MARGIN,
                            "kl_factor": KL_FACTOR, "kl_min": KL_MIN, "seed": args.seed},

@@ -26,10 +26,15 @@ def commit() -> str:
     return build_info.commit((str(RESULTS.relative_to(REPOSITORY)),))
 
 
-def provenance(engine: Any = None, *, reps: int | None = None) -> dict[str, Any]:
+def provenance(engine: Any = None, *, reps: int | None = None,
+               model: str | None = None) -> dict[str, Any]:
     """Fields to add to a results row: ``commit``, ``machine``, ``reps`` when given and, with
     an ``engine``, its ``model`` (the name asked), ``model_dir`` (the cached directory, whose
-    suffix is the checkpoint's checksum) and ``adapters`` (name → SHA-256 of its files)."""
+    suffix is the checkpoint's checksum) and ``adapters`` (name → SHA-256 of its files).
+
+    Without an engine, ``model`` names the model whose stored answers the bench read (a
+    bench whose every answer was in its answers file starts none): ``model`` and
+    ``model_dir`` then come from the model cache, resolved without loading the weights."""
     fields: dict[str, Any] = {"commit": commit(), "machine": machine()}
     if reps is not None:
         fields["reps"] = reps
@@ -38,6 +43,11 @@ def provenance(engine: Any = None, *, reps: int | None = None) -> dict[str, Any]
         fields["model_dir"] = Path(engine.model_dir).name
         fields["adapters"] = {name: adapter.digest
                               for name, adapter in engine.router.adapters.items()}
+    elif model is not None:
+        from span_workflows.model import resolve_model
+
+        fields["model"] = model
+        fields["model_dir"] = resolve_model(model, progress=False).name
     return fields
 
 
