@@ -203,11 +203,14 @@ class AnswerStore:
     stops (or one variant added later) resumes without answering anything twice. Entries are
     keyed by variant, document count, question count, seed and model; the span-hit TTFTs too
     (by variant, pool, document count, repetitions and model: the 16 × 440-token pool is the
-    same for every document size, so a run of another size reuses it)."""
+    same for every document size, so a run of another size reuses it). ``read`` and
+    ``measured`` count the entries this run found stored and the ones it computed."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.entries: dict[str, dict[str, Any]] = {}
+        self.read = 0
+        self.measured_count = 0
         if path is not None and path.exists():
             try:
                 self.entries = json.loads(path.read_text())
@@ -233,11 +236,13 @@ class AnswerStore:
         entry = self.entries.get(key)
         if entry is None:
             return None
+        self.read += 1
         first = [{int(t): float(lp) for t, lp in d.items()} for d in entry["first"]]
         return _Answers(list(entry["correct"]), list(entry["facts"]), first)
 
     def put(self, key: str, answers: _Answers) -> None:
         """Store (and, with a path, save) the answers of ``key``."""
+        self.measured_count += 1
         self._save(key, {"correct": answers.correct, "facts": answers.facts,
                          "first": [{str(t): lp for t, lp in d.items()}
                                    for d in answers.first]})
@@ -269,7 +274,10 @@ class AnswerStore:
         entry = self.entries.get(key)
         if entry is None:
             entry = measure()
+            self.measured_count += 1
             self._save(key, entry)
+        else:
+            self.read += 1
         return entry
 
     def _save(self, key: str, entry: dict[str, Any]) -> None:
@@ -507,6 +515,8 @@ def run_quality(args: Any) -> int:
     from span_workflows.apps.bench.provenance import stamp
 
     rows = stamp(rows, engine, reps=args.reps)  # this run's rows; merged ones keep theirs
+    for row in rows:  # how much of the run came from the answers file
+        row["entries_read"], row["entries_measured"] = store.read, store.measured_count
     if args.merge_json and args.merge_json.exists():  # rows of other runs, kept
         rows = merge_rows(json.loads(args.merge_json.read_text()), rows)
     print_table(rows)

@@ -91,9 +91,11 @@ def test_stored_answers_round_trip(tmp_path: Path) -> None:
     store = bq.AnswerStore(path)
     key = store.key("prefix", 4, 3, 0, "m")
     store.put(key, _answers([True, False, True]))
-    again = bq.AnswerStore(path).get(key)
-    assert again == _answers([True, False, True])
-    assert bq.AnswerStore(path).get(store.key("prefix", 8, 3, 0, "m")) is None
+    assert (store.read, store.measured_count) == (0, 1)
+    reopened = bq.AnswerStore(path)
+    assert reopened.get(key) == _answers([True, False, True])
+    assert reopened.get(store.key("prefix", 8, 3, 0, "m")) is None
+    assert (reopened.read, reopened.measured_count) == (1, 0)  # a miss is neither
 
 
 def test_a_broken_answers_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
@@ -238,9 +240,12 @@ def test_a_span_hit_ttft_is_measured_once_per_pool_and_kept(tmp_path: Path) -> N
         return 0.25, 1
 
     key = bq.AnswerStore.ttft_key("prefix", "440", 16, 1, "m")
-    assert bq.AnswerStore(path).timed(key, measure) == (0.25, 1)
-    assert bq.AnswerStore(path).timed(key, measure) == (0.25, 1)
+    first = bq.AnswerStore(path)
+    assert first.timed(key, measure) == (0.25, 1)
+    second = bq.AnswerStore(path)
+    assert second.timed(key, measure) == (0.25, 1)
     assert calls == ["timed"]
+    assert (first.read, first.measured_count, second.read, second.measured_count) == (0, 1, 1, 0)
     other = bq.AnswerStore.ttft_key("prefix", "440", 16, 3, "m")  # other repetitions
     assert bq.AnswerStore(path).timed(other, measure) == (0.25, 1) and len(calls) == 2
 
