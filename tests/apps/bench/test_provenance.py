@@ -51,9 +51,6 @@ def test_stamp_adds_provenance_and_keeps_a_rows_own_reps() -> None:
 
 #: Answer caches, not tables: each entry's key names the model it was answered by.
 ANSWER_CACHES = {"lint_checks.json", "quality_answers.json"}
-#: Committed tables written before their bench recorded its provenance (each leaves this set
-#: when its bench runs again; the test below fails if one already carries it).
-NOT_YET_STAMPED = {"quality.json", "tool-tuning.json"}
 
 
 def _rows(data: object) -> list[dict]:
@@ -77,12 +74,10 @@ def test_every_committed_table_names_its_commit_machine_and_the_model_it_timed()
         if path.name in ANSWER_CACHES:
             continue
         rows = _rows(json.loads(path.read_text()))
-        stamped = all("commit" in r and "machine" in r for r in rows)
-        assert stamped == (path.name not in NOT_YET_STAMPED), path.name
-        if stamped:
-            checked.add(path.name)
-            # a row that timed an engine names the model and how often it was measured
-            for row in rows:
-                if any(k.startswith("ttft") for k in row):
-                    assert "model" in row and "reps" in row, (path.name, row)
+        assert all("commit" in r and "machine" in r for r in rows), path.name
+        checked.add(path.name)
+        # a row that timed an engine names the model and how often it was measured
+        for row in rows:
+            if any(k.startswith("ttft") for k in row):
+                assert "model" in row and "reps" in row, (path.name, row)
     assert checked, f"no results in {RESULTS}"
