@@ -187,7 +187,6 @@ class Engine:
         self.planner = Planner(self.compiler, self.max_model_len,
                                locality_fanin=locality_fanin)
         self._ids = itertools.count()
-        self._keyer: Any = None
         self._lock = threading.RLock()
         self._closed = False
         engine_lifetime.opened()
@@ -253,14 +252,10 @@ class Engine:
                   cache_salt: str | None = None, seed: int = 0) -> Iterator[BulkAnswer]:
         """:meth:`execute_bulk`, its answers yielded as they are ready (in execution order,
         each with its input ``index``)."""
-        from span_workflows.keys import QueryKeyer
-
         bulk.check_options(schedule, max_in_flight)
         parsed = bulk.as_queries(queries, optimize_query=optimize_query,
                                  span_options=span_options, cache_salt=cache_salt)
-        if self._keyer is None:
-            self._keyer = QueryKeyer(self.tokenizer, self.block_size, compiler=self.compiler)
-        return bulk.run_bulk(parsed, self._keyer, self.cache_tokens, self._run_bulk_window,
+        return bulk.run_bulk(parsed, self.planner.keyer(), self.cache_tokens, self._run_bulk_window,
                              schedule=schedule, max_in_flight=max_in_flight, seed=seed,
                              default_options=self.span_options)
 

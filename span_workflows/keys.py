@@ -2,11 +2,13 @@
 
 :class:`SpanKey` names one routable piece of span KV and its size; routers
 (:mod:`span_workflows.scaleout`) and the bulk scheduler (:mod:`span_workflows.bulk`) both
-read them. :class:`QueryKeyer` normalizes a query as the server will (:meth:`Planner.normalize`),
-compiles each of its G's (:meth:`Compiler.compile_generate`) and keys the blocks of every plus
-span with :func:`span_vllm.routing_block_keys` — the block hash chain the engine uses, so a
-span's keys name its tokens and its anchor (the ordered context before its plus), never its
-position among its siblings: the same documents retrieved in another order give the same keys.
+read them. :class:`QueryKeyer` normalizes a query as the planner does
+(:func:`span_workflows.normalize.normalize`; an engine's or server's keyer is its planner's,
+:meth:`Planner.keyer`, with its compiler and locality fan-in), compiles each of its G's
+(:meth:`Compiler.compile_generate`) and keys the blocks of every plus span with
+:func:`span_vllm.routing_block_keys` — the block hash chain the engine uses, so a span's keys
+name its tokens and its anchor (the ordered context before its plus), never its position
+among its siblings: the same documents retrieved in another order give the same keys.
 
 A G whose prompt depends on the output of a nested G (not known before it runs) is keyed
 without that output's span; a G that does not compile here (the server will report why) gives
@@ -24,7 +26,7 @@ from span_workflows.compile import Compiler, TokenizedQuery
 from span_workflows.errors import SpanQueryError
 from span_workflows.ir import MESSAGE_TYPES, Generate, Node, iter_nodes
 from span_workflows.layout import SpanOptions
-from span_workflows.optimize import optimize
+from span_workflows.normalize import normalize
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +64,11 @@ class QueryKeyer:
     """Span keys of queries for one tokenizer and KV block size (the replicas' block size:
     keys at another size would name other blocks). ``compiler``: the caller's own compiler of
     that tokenizer and block size (an engine's), so a query is keyed by the very token form it
-    runs as; one is built when none is given."""
+    runs as; one is built when none is given. ``locality_fanin``: the optimizer's, as the
+    planner whose queries are keyed has it (an engine's keyer is :meth:`Planner.keyer`)."""
 
     def __init__(self, tokenizer: Any, block_size: int, *, with_prompt: bool = False,
-                 compiler: Compiler | None = None) -> None:
+                 compiler: Compiler | None = None, locality_fanin: int | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         if compiler is not None and compiler.block_size != block_size:
@@ -75,6 +78,7 @@ class QueryKeyer:
         self.compiler = compiler or Compiler.for_tokenizer(tokenizer, block_size)
         self.block_size = block_size
         self.with_prompt = with_prompt
+        self.locality_fanin = locality_fanin
 
     def route(self, node: Node, *, optimize_query: bool = True,
               span_options: SpanOptions | None = None,
@@ -82,7 +86,8 @@ class QueryKeyer:
         """The :class:`QueryRoute` of a parsed query (never raises for a query the compiler
         refuses: that one gets no keys)."""
         try:
-            tree = optimize(node) if optimize_query else node
+            tree = normalize(node, optimize_query=optimize_query,
+                             locality_fanin=self.locality_fanin)
         except (SpanQueryError, RecursionError):
             return QueryRoute(())
         keys: list[SpanKey] = []

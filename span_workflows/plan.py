@@ -52,12 +52,12 @@ from span_workflows.compile import (
     nested_generations,
 )
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import MESSAGE_TYPES, Cross, Generate, Node, Plus, child_path, content_hash
+from span_workflows.ir import Cross, Generate, Node, Plus, child_path, content_hash
+from span_workflows.keys import QueryKeyer
 from span_workflows.layout import Align, SpanOptions
-from span_workflows.optimize import optimize, ordered_for_stock
+from span_workflows.normalize import normalize
 from span_workflows.result import Metrics, Result
 from span_workflows.sampling import Sampling, parse_answer
-from span_workflows.tool_prompt import with_tool_prompts
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,21 +221,24 @@ class Planner:
         self.compiler = compiler
         self.block_size = compiler.block_size
         self.max_model_len = max_model_len
+        self._keyers: dict[bool, QueryKeyer] = {}
 
     def normalize(self, query: Node, optimize_query: bool = True, span_mode: bool = True) -> Node:
-        """The tree that is executed: optimized (span mode) or desugared in order (stock).
-        A top-level join holding a message is refused here, with its path in ``query`` (the
-        optimizer reorders a plus)."""
-        if isinstance(query, (Plus, Cross)):
-            for i, child in enumerate(query.children):
-                if isinstance(child, MESSAGE_TYPES):
-                    raise SpanQueryError(child_path("", query, i),
-                                         "a top-level join must join G's")
-        query = with_tool_prompts(query)
-        node = optimize(query, locality_fanin=self.locality_fanin) if optimize_query else query
-        if not span_mode:
-            node = ordered_for_stock(query)
-        return node
+        """The tree that is executed (:func:`span_workflows.normalize.normalize` with this
+        planner's locality fan-in)."""
+        return normalize(query, optimize_query=optimize_query, span_mode=span_mode,
+                         locality_fanin=self.locality_fanin)
+
+    def keyer(self, *, with_prompt: bool = False) -> QueryKeyer:
+        """The planner's :class:`~span_workflows.keys.QueryKeyer` (made once per
+        ``with_prompt``): it keys a query by the tree this planner runs, compiled by its
+        compiler, so routers and the bulk scheduler name the blocks the engine will hold."""
+        keyer = self._keyers.get(with_prompt)
+        if keyer is None:
+            keyer = self._keyers[with_prompt] = QueryKeyer(
+                self.compiler.renderer.tokenizer, self.block_size, with_prompt=with_prompt,
+                compiler=self.compiler, locality_fanin=self.locality_fanin)
+        return keyer
 
     def plan_query(self, node: Node, span_mode: bool = True,
                    settings: QuerySettings | None = None) -> Plan:

@@ -44,7 +44,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "boundary": ("vllm_io", "query_body", "serving.wire", "streaming", "serving.chat_wire",
                  "serving.spnl_wire", "serving.query_schema"),
     "plan": ("plan", "result", "fragments", "routing", "keys"),
-    "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty",
+    "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty", "normalize",
                             "optimize", "locality", "compile", "render", "layout",
                             "tool_prompt", "lint", "lint_rules"),
     "ground": ("ir", "errors", "model", "retrieval", "sampling", "logprobs", "build_info"),

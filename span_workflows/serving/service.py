@@ -61,7 +61,6 @@ class SpanQueryService:
         self.planner = Planner(Compiler.for_tokenizer(tokenizer, block_size,
                                                       options=span_options), max_model_len)
         self.stats: dict[str, int] = dict.fromkeys(contract.STAT_HELP, 0)
-        self._keyer: Any = None
 
     async def execute(self, node: Node, *, optimize_query: bool = True,
                       stream: PartStream | None = None, span_options: SpanOptions | None = None,
@@ -105,16 +104,11 @@ class SpanQueryService:
         queries start in schedule order, at most ``max_in_flight`` and half the cache in
         prompt tokens at once (a new one as soon as one ends); identical prepares of the
         queries in flight run once."""
-        from span_workflows.keys import QueryKeyer
-
         bulk.check_options(schedule, max_in_flight)
         for index, query in enumerate(queries):
             if isinstance(query, SpanQueryError):
                 yield BulkAnswer(index, error=query)
-        if self._keyer is None:
-            self._keyer = QueryKeyer(self.tokenizer, self.block_size,
-                                     compiler=self.planner.compiler)
-        items = bulk.key_items(queries, self._keyer, self.planner.compiler.options)
+        items = bulk.key_items(queries, self.planner.keyer(), self.planner.compiler.options)
         cache = self.cache_tokens() or sum(i.prompt_tokens for i in items) or 1
         order = bulk.schedule_items(items, schedule, cache, seed=seed).order
         sizes = {item.index: item.prompt_tokens for item in items}

@@ -42,3 +42,35 @@ def test_a_query_without_spans_has_no_keys(keyer) -> None:
     assert keyer.route(g(user("hello"))).keys == ()
     with pytest.raises(ValueError):
         QueryKeyer(keyer.tokenizer, 0)
+
+
+def _tool_rag():
+    """A RAG step of an agent: its G may call a tool, so the planner adds the tool
+    instructions to its system message before optimizing it."""
+    import dataclasses
+
+    from span_workflows.sampling import ToolSpec
+
+    node = rag("Answer briefly.", DOCS[:3], "Which document is first?", max_tokens=8)
+    tools = (ToolSpec("lookup", "Look a word up."),)
+    return dataclasses.replace(node, sampling=dataclasses.replace(node.sampling, tools=tools))
+
+
+def test_a_query_is_keyed_by_the_tree_its_planner_runs(tokenizer) -> None:
+    """The keys of a query are those of the tree the planner executes (tool instructions
+    added, then optimized), compiled by the planner's own compiler: a router keyed otherwise
+    sends a tool-using step where its spans are not."""
+    from span_workflows.compile import Compiler
+    from span_workflows.plan import Planner
+
+    planner = Planner(Compiler.for_tokenizer(tokenizer, BS), 4096)
+    keyer = planner.keyer()
+    assert keyer is planner.keyer() and keyer.compiler is planner.compiler  # one keyer
+    query = _tool_rag()
+    runs = planner.normalize(query)
+    expected = keyer.span_block_keys(planner.compiler.compile_generate(runs, {}))
+    got = [k.key for k in keyer.route(query).keys]
+    assert got and got == expected
+    # the tool instructions are in the anchor: keys of the same documents without tools differ
+    plain = {k.key for k in keyer.route(rag("Answer briefly.", DOCS[:3], "Q?")).keys}
+    assert not plain & set(got)
