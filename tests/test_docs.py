@@ -314,6 +314,32 @@ def test_the_readme_rag_table_is_the_committed_one() -> None:
             assert cell.endswith(f"({row[column]})"), (line, column)
 
 
+def test_the_bulk_notes_are_the_committed_ratios() -> None:
+    """The bulk paragraph of benchmarks/README.md (the site's Notes page): clustered against
+    arrival order where the working set is 4x the cache, and where it fits, per document
+    size, and two engines against one, as ``results/bulk.json`` has them."""
+    rows = json.loads((RESULTS / "bulk.json").read_text())
+
+    def qps(schedule: str, doc_tokens: int, over: bool, engines: int = 1) -> float:
+        [row] = [r for r in rows if r["schedule"] == schedule and r["doc_tokens"] == doc_tokens
+                 and (r["working_set_over_cache"] > 1) == over and r["engines"] == engines]
+        return row["queries_per_s"]
+
+    notes = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    paragraph = notes.split("**bulk**", 1)[1].split("\n\n", 1)[0]
+    printed = re.search(r"clustered ([\d.]+)× \(~100-token documents\) and ([\d.]+)× \(~440\)"
+                        r".*?([\d.]+)× \(~100\) and ([\d.]+)× \(~440\) where it fits"
+                        r".*?2 Ray actors\s+([\d.]+)× one engine", paragraph, re.S)
+    assert printed, paragraph
+    expected = (qps("cluster", 100, True) / qps("given", 100, True),
+                qps("cluster", 440, True) / qps("given", 440, True),
+                qps("cluster", 100, False) / qps("given", 100, False),
+                qps("cluster", 440, False) / qps("given", 440, False),
+                qps("cluster", 100, True, engines=2) / qps("cluster", 100, True))
+    for text, value in zip(printed.groups(), expected, strict=True):
+        assert abs(float(text) - value) <= 0.005 + 1e-9, (text, value)
+
+
 def test_the_readme_is_short_and_keeps_the_quickstart() -> None:
     text = README.read_text(encoding="utf-8")
     assert len(text.splitlines()) <= 250
