@@ -54,7 +54,23 @@ def _has_cuda() -> bool:
         return False
 
 
+#: The modules that fill the small pool, then the one that kills that server and restarts it
+#: in the shared settings (``shared_server``): they run first, in this order, so that the
+#: session starts its HTTP server twice, not three times.
+SMALL_POOL_FIRST = ("reliability/test_cache_pressure.py", "reliability/test_isolation_http.py",
+                    "reliability/test_faults.py")
+
+
+def _small_pool_rank(item: pytest.Item) -> int:
+    path = item.path.as_posix()
+    for rank, module in enumerate(SMALL_POOL_FIRST):
+        if path.endswith("/" + module):
+            return rank
+    return len(SMALL_POOL_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_small_pool_rank)  # stable: every other test keeps its place
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
@@ -93,12 +109,21 @@ def attention_reference():
 
 
 @pytest.fixture(scope="session")
-def shared_server(tmp_path_factory: pytest.TempPathFactory):
-    """The span server of :mod:`shared_server`, started on first use, stopped at the end."""
-    from shared_server import shared_server_process
+def server_slot(tmp_path_factory: pytest.TempPathFactory):
+    """The session's span server slot (:class:`shared_server.ServerSlot`), stopped at the end."""
+    from shared_server import ServerSlot
 
-    with shared_server_process(tmp_path_factory.mktemp("shared-server") / "server.log") as s:
-        yield s
+    slot = ServerSlot(tmp_path_factory.mktemp("server"))
+    yield slot
+    slot.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_server(server_slot):
+    """The session's server in the shared settings (:data:`shared_server.SHARED`)."""
+    from shared_server import SHARED
+
+    return server_slot.use(SHARED).shared
 
 
 @pytest.fixture(scope="session")

@@ -1,24 +1,44 @@
-"""Span servers in vLLM's dev mode for tests, and the one the HTTP test modules share
-(``shared_server`` fixture in conftest.py): one process for the session instead of one per
-module, since each start loads vLLM and the model again. Its modules must not need a fresh
-server: they may reset its prefix cache (``/reset_prefix_cache``, dev mode) but not change its
-settings."""
+"""The session's span server for the HTTP tests: one port, one dev-mode server process at a
+time, in the settings the running test module needs.
+
+Each start loads vLLM and the model again, so the session starts it twice: first with a small
+pool (``reliability/dev_server.SMALL_POOL``) for the modules that fill it, then, when the fault
+test has killed that server, its restart on the same port comes up in the shared settings
+(:data:`SHARED`) that every other HTTP module, notebook 05 included, uses. ``conftest.py``
+orders the session so: the small-pool modules first, the fault test after them. The modules
+of one setting must not need a fresh server: they may reset its prefix cache
+(``/reset_prefix_cache``, dev mode) but not change its settings. Run alone, a module gets a
+server in its settings (a start of its own)."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from process_leaks import shm_names
 
-from span_workflows.serving.launch import start_server_process, stop_server_process
+from span_workflows.serving.launch import free_port, start_server_process, stop_server_process
 
-#: The bearer token the shared server requires.
+#: The bearer token the shared settings require.
 API_KEY = "span-tests-key"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A named set of options for ``span-workflows serve`` (as ``start_server_process`` takes
+    them; the port is the slot's)."""
+
+    name: str
+    options: dict[str, Any]
+
+
+#: The shared settings: 1 GiB of KV cache, a 4096-token context, loopback, ``API_KEY``.
+SHARED = Setting("shared", {"api_key": API_KEY, "kv_cache_gib": 1, "timeout": 900,
+                            "max_model_len": 4096})
 
 
 @dataclass(frozen=True)
@@ -38,22 +58,62 @@ def start_dev_mode_server(log_path: Path, **options: Any) -> tuple[subprocess.Po
         return start_server_process(log_path=log_path, **options)
 
 
-@contextmanager
-def dev_mode_server(log_path: Path, **options: Any) -> Iterator[tuple[subprocess.Popen, str]]:
-    """:func:`start_dev_mode_server`; yield ``(process, url)``; stop it and check it has
-    exited."""
-    proc, url = start_dev_mode_server(log_path, **options)
-    try:
-        yield proc, url
-    finally:
-        stop_server_process(proc)
-        assert proc.poll() is not None
+class ServerSlot:
+    """One port and the dev-mode server on it: :meth:`use` starts it in a setting unless it
+    already runs in that one; :meth:`start` starts it (again) in a setting, after a kill for
+    instance. ``client`` is a client of the current process (a new one after each start)."""
 
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.setting: Setting | None = None
+        self.starts = 0
+        #: the files in /dev/shm just before the current process started
+        self.shm_before_start: set[str] = set()
+        self._client: httpx.Client | None = None
 
-@contextmanager
-def shared_server_process(log_path: Path) -> Iterator[SharedServer]:
-    """The shared server: dev mode, 1 GiB of KV cache, 4096-token context, loopback,
-    ``API_KEY``."""
-    with dev_mode_server(log_path, api_key=API_KEY, kv_cache_gib=1, timeout=900,
-                         max_model_len=4096) as (proc, url):
-        yield SharedServer(proc, url)
+    def use(self, setting: Setting) -> ServerSlot:
+        """The slot with its server running in ``setting`` (stopped and started in it if it
+        ran in another one, or was killed)."""
+        if self.setting != setting or self.proc is None or self.proc.poll() is not None:
+            self.stop()
+            self.start(setting)
+        return self
+
+    def start(self, setting: Setting) -> None:
+        """Start the server on the slot's port in ``setting``; returns once it answers
+        ``/health``. The process before it must be gone (stopped or killed)."""
+        self.starts += 1
+        self.shm_before_start = shm_names()
+        log = self.log_dir / f"server-{self.starts}-{setting.name}.log"
+        self.proc, url = start_dev_mode_server(log, port=self.port, **setting.options)
+        assert url == self.url
+        self.setting = setting
+        if self._client is not None:
+            self._client.close()
+        headers = ({"Authorization": f"Bearer {setting.options['api_key']}"}
+                   if "api_key" in setting.options else None)
+        self._client = httpx.Client(base_url=self.url, timeout=300, headers=headers)
+
+    @property
+    def client(self) -> httpx.Client:
+        assert self._client is not None, "the server was never started"
+        return self._client
+
+    @property
+    def shared(self) -> SharedServer:
+        """The running process and URL (for the modules of the shared settings)."""
+        assert self.proc is not None
+        return SharedServer(self.proc, self.url)
+
+    def stop(self) -> None:
+        """Stop the current process (killed ones included) and close the client."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self.proc is not None:
+            stop_server_process(self.proc)
+            assert self.proc.poll() is not None
+            self.proc = None

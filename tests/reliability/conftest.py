@@ -1,19 +1,14 @@
-"""The reliability modules' shared small-pool server (see ``dev_server.SmallPoolServer``)."""
+"""The reliability modules' small pool: the session's server slot (``shared_server.ServerSlot``)
+in the settings ``dev_server.SMALL_POOL``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from dev_server import SmallPoolServer
+from dev_server import SMALL_POOL
+from shared_server import ServerSlot
 
 
-@pytest.fixture(scope="session")
-def small_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmallPoolServer]:
-    """One small-pool server for the session, started when a test first asks for it."""
-    server = SmallPoolServer(tmp_path_factory.mktemp("small-pool"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def small_pool(server_slot: ServerSlot) -> ServerSlot:
+    """The session's server, running with the small pool (started in it if it was not)."""
+    return server_slot.use(SMALL_POOL)

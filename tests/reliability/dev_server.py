@@ -4,15 +4,10 @@ tests that compare every output with the same request run alone on a fresh cache
 from __future__ import annotations
 
 import re
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
-from process_leaks import shm_names
-from shared_server import start_dev_mode_server
-
-from span_workflows.serving.launch import free_port, stop_server_process
+from shared_server import Setting
 
 
 def reset_server_cache(client: httpx.Client) -> None:
@@ -30,53 +25,11 @@ def reset_server_cache(client: httpx.Client) -> None:
 #: The small pool's size: 48 blocks of 32 tokens, about three 4-document queries.
 SMALL_POOL_BLOCKS = 48
 
-
-class SmallPoolServer:
-    """A dev-mode server whose KV cache holds only :data:`SMALL_POOL_BLOCKS` blocks, shared by
-    the reliability modules that need a pool they can fill (cache pressure, isolation) and the
-    one that kills a server (faults): each start loads vLLM and the model again, so the fault
-    test kills this server and :meth:`start` brings it back on the same port for the modules
-    after it. ``client`` is a client of the current process (a new one after each start)."""
-
-    def __init__(self, log_dir: Path, max_model_len: int = 32 * (SMALL_POOL_BLOCKS - 2),
-                 max_num_seqs: int = 8) -> None:
-        self.log_dir = log_dir
-        # vLLM starts only if its longest request fits in the pool (less its reserved block)
-        self.options = {"kv_cache_gib": 1, "timeout": 400, "max_model_len": max_model_len,
-                        "extra_args": ["--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS),
-                                       "--max-num-seqs", str(max_num_seqs)]}
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-        #: the files in /dev/shm just before the current process started
-        self.shm_before_start: set[str] = set()
-        self._client: httpx.Client | None = None
-
-    def start(self) -> None:
-        """Start the server (again) on its port; returns once it answers ``/health``."""
-        self.starts += 1
-        self.shm_before_start = shm_names()
-        log = self.log_dir / f"server-{self.starts}.log"
-        self.proc, url = start_dev_mode_server(log, port=self.port, **self.options)
-        assert url == self.url
-        if self._client is not None:
-            self._client.close()
-        self._client = httpx.Client(base_url=self.url, timeout=300)
-
-    @property
-    def client(self) -> httpx.Client:
-        assert self._client is not None, "the small-pool server was never started"
-        return self._client
-
-    def stop(self) -> None:
-        """Stop the current process (killed ones included) and close the client."""
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-        if self.proc is not None:
-            stop_server_process(self.proc)
-            assert self.proc.poll() is not None
+#: The small pool's settings: 48 blocks, at most 8 sequences, a context that fits the pool
+#: (vLLM starts only if its longest request fits in the pool, less its reserved block).
+SMALL_POOL = Setting("small-pool", {
+    "kv_cache_gib": 1, "timeout": 400, "max_model_len": 32 * (SMALL_POOL_BLOCKS - 2),
+    "extra_args": ["--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS), "--max-num-seqs", "8"]})
 
 
 def run_query(client: httpx.Client, payload: dict) -> dict:

@@ -13,12 +13,12 @@ import httpx
 import pytest
 from dev_server import (
     SMALL_POOL_BLOCKS,
-    SmallPoolServer,
     rag_payload,
     reset_server_cache,
     run_query,
     span_counters,
 )
+from shared_server import ServerSlot
 
 pytestmark = pytest.mark.engine
 
@@ -40,7 +40,7 @@ def query(docs: list[int], question: str = "Which topics appear?", system: str =
 
 
 @pytest.fixture(scope="module")
-def http(small_pool: SmallPoolServer) -> httpx.Client:
+def http(small_pool: ServerSlot) -> httpx.Client:
     return small_pool.client
 
 

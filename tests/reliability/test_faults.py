@@ -2,8 +2,9 @@
 a plain request; the client raises ServerUnavailableError naming the URL (and retries while a
 server cannot be reached, when asked to); no process of the dead server is left; a restarted
 server on the same port answers a request that was sent while it was still down, correctly and
-from an empty cache. The server killed is the small-pool one the other reliability modules
-share (``dev_server.SmallPoolServer``): its restart here serves the modules after it. (That an
+from an empty cache. The server killed is the session's (``shared_server.ServerSlot``), running
+with the small pool the modules before this one filled; its restart here comes up in the shared
+settings, for every HTTP module after it (a restart costs a start either way). (That an
 engine shut down at the end of a user's command leaves no child process and no shared memory
 behind is checked on the CLI's ``run``, tests/apps/cli/test_cli.py.)"""
 
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from dev_server import SmallPoolServer
+from dev_server import SMALL_POOL
 from process_leaks import mapped_by_others, shm_names
+from shared_server import API_KEY, SHARED, ServerSlot
 
 from span_workflows.builders import g, rag, user
 from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
@@ -45,9 +47,10 @@ def _group(pgid: int) -> list[psutil.Process]:
     return alive
 
 
-def test_kill_mid_request_then_restart_with_retries(small_pool: SmallPoolServer) -> None:
-    shm_before = small_pool.shm_before_start
-    proc, url = small_pool.proc, small_pool.url
+def test_kill_mid_request_then_restart_with_retries(server_slot: ServerSlot) -> None:
+    server_slot.use(SMALL_POOL)
+    shm_before = server_slot.shm_before_start
+    proc, url = server_slot.proc, server_slot.url
     assert proc is not None and proc.poll() is None
     try:
         with SpanServer(url, timeout=120) as client:
@@ -118,17 +121,18 @@ def test_kill_mid_request_then_restart_with_retries(small_pool: SmallPoolServer)
         assert info.value.url == url and not client.health()
     FAULTS["refused_with_retries"] = 1
 
-    # Restart on the same port; a client with retries sent its request while it was down.
-    starter = threading.Thread(target=small_pool.start)
+    # Restart on the same port (in the shared settings, which require the API key); a client
+    # with retries sent its request while it was down.
+    starter = threading.Thread(target=server_slot.start, args=(SHARED,))
     starter.start()
     try:
-        with SpanServer(url, retries=900, timeout=120) as client:
+        with SpanServer(url, api_key=API_KEY, retries=900, timeout=120) as client:
             answer = client.execute(QUERY)  # connection refused until the server is up
         starter.join(60)
-        assert small_pool.proc is not proc and small_pool.proc.poll() is None
+        assert server_slot.proc is not proc and server_slot.proc.poll() is None
         assert answer.text == reference.text
         assert answer.metrics.prepare_requests == fresh_prepares  # the cache was empty
-        with SpanServer(url) as client:
+        with SpanServer(url, api_key=API_KEY) as client:
             assert client.health()
             assert client.execute(QUERY).metrics.prepare_requests == 0
     finally:

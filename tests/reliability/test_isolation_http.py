@@ -11,12 +11,12 @@ import httpx
 import pytest
 from dev_server import (
     SMALL_POOL_BLOCKS,
-    SmallPoolServer,
     rag_payload,
     reset_server_cache,
     run_query,
     span_counters,
 )
+from shared_server import ServerSlot
 
 from span_workflows.ir import Cross, Fragment, Plus, System, User
 from span_workflows.json_ir import to_obj
@@ -40,7 +40,7 @@ def _query(docs: list[str], question: str, max_tokens: int = 6,
 
 
 @pytest.fixture(scope="module")
-def http(small_pool: SmallPoolServer) -> httpx.Client:
+def http(small_pool: ServerSlot) -> httpx.Client:
     return small_pool.client
 
 
