@@ -478,7 +478,7 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
                              SCHEDULES.index(r["schedule"])))
     from span_workflows.model import DEFAULT_MODEL_NAME
 
-    rows = [{**r, "model": args.model or DEFAULT_MODEL_NAME} for r in stamp(rows)]
+    rows = stamp(rows, model=args.model or DEFAULT_MODEL_NAME)  # each row has its own reps
     print_table(rows)
     if not args.no_write:
         out: Path = args.out

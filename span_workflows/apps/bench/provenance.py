@@ -52,8 +52,9 @@ def provenance(engine: Any = None, *, reps: int | None = None,
 
 
 def stamp(rows: list[dict[str, Any]], engine: Any = None, *,
-          reps: int | None = None) -> list[dict[str, Any]]:
+          reps: int | None = None, model: str | None = None) -> list[dict[str, Any]]:
     """``rows`` with :func:`provenance` added to each (a row's own ``reps`` is kept: some
-    benches repeat cells differently)."""
-    fields = provenance(engine, reps=reps)
+    benches repeat cells differently; ``model`` names the model of engines this process did
+    not start itself)."""
+    fields = provenance(engine, reps=reps, model=model)
     return [{**fields, **row} for row in rows]

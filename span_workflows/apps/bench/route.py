@@ -185,7 +185,14 @@ def run_route(argv: Sequence[str]) -> int:
                          imbalance_threshold=args.imbalance_threshold, seed=args.seed,
                          concurrency=args.concurrency)
     print_table([{k: r[k] for k in FIELDS} for r in rows])
-    rows = stamp(rows)  # this run's rows (a simulation, or servers this bench started)
+    # this run's rows: a simulation (no model runs), or servers this bench started, each
+    # request sent once
+    if args.mode == "sim":
+        rows = stamp(rows, reps=1)
+    else:
+        from span_workflows.model import DEFAULT_MODEL_NAME
+
+        rows = stamp(rows, reps=1, model=DEFAULT_MODEL_NAME)
     if not args.no_write:
         out: Path = args.out
         out.mkdir(parents=True, exist_ok=True)

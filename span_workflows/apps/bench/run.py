@@ -311,7 +311,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
         hashing = bench_hashing(reps=args.reps)
         print()
         print_table(hashing)
-        written = {"compile": rows, "hashing": stamp(hashing, reps=args.reps)}
+        written = {"compile": rows, "hashing": stamp(hashing, engine, reps=args.reps)}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(written, indent=2) + "\n")

@@ -32,6 +32,10 @@ def test_a_bench_that_read_every_answer_still_names_its_model(tmp_path) -> None:
     assert fields["model"] == str(checkpoint)
     assert fields["model_dir"] == "my-model-0123abcd"
     assert "adapters" not in fields
+    from span_workflows.apps.bench.provenance import stamp
+
+    [row] = stamp([{"engines": 2, "reps": 3}], model=str(checkpoint))  # engines of Ray actors
+    assert row["model_dir"] == "my-model-0123abcd" and row["reps"] == 3
 
 
 def test_printed_tables_leave_provenance_to_the_json() -> None:
