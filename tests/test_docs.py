@@ -7,7 +7,10 @@
   not run when it contains one of :data:`NEEDS_BACKEND` (building or calling an engine, a
   server, an HTTP client, a framework model or agent), or when its first line is the comment
   ``# fragment`` (a piece of a program on purpose). Every other block runs, the blocks of one
-  file in order and in one namespace, and must not raise. ```json blocks must parse.
+  file in order and in one namespace, and must not raise. The blocks that need a backend run
+  in a test of their own (marked ``engine``), on the session's engine and shared server;
+  a block that starts engines of its own (:data:`RUN_ELSEWHERE`) names the test that makes the
+  same call. ```json blocks must parse.
 * The README's relative links name files that exist (and headings, for anchors into docs/).
 * The facts the documentation states are checked against their sources: the GPU table
   against the plugin's refusals, the repositioning range and the README's RAG table against
@@ -27,6 +30,8 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -135,6 +140,66 @@ def test_python_blocks_compile_and_the_runnable_ones_run() -> None:
                     exec(code, namespace)  # the documentation's own example
                 ran.append(_name(path, line))
     assert compiled >= 15 and len(ran) >= 6, (compiled, ran)
+
+
+#: Calls that start engines of their own, beyond the session's: a block making one is
+#: compiled only, and the call runs as written in the test named.
+RUN_ELSEWHERE = {
+    "run_bulk_on_ray(": "span_workflows/scaleout/test_ray_bulk.py (two Ray actors)",
+}
+#: Where the examples' server lives, and its key, in the text of the examples.
+EXAMPLE_URL, EXAMPLE_KEY = "http://127.0.0.1:8000", '"KEY"'
+
+
+class _SessionEngine:
+    """What ``Engine(...)`` gives an example here: the session's engine, whatever the options
+    asked (vLLM runs one in-process engine), which the example's ``close`` or ``with`` leaves
+    running."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def __enter__(self) -> _SessionEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+@pytest.mark.engine
+def test_the_blocks_that_need_a_backend_run_on_the_sessions(engine, shared_server,
+                                                            monkeypatch) -> None:
+    """Every block the test above only compiles runs here, after the blocks before it in its
+    file, in one namespace: ``Engine(...)`` and the framework models' default engine are the session's
+    engine, and the examples' server (``http://127.0.0.1:8000``, key ``"KEY"``) is the
+    session's shared server."""
+    from shared_server import API_KEY
+
+    import span_workflows
+    from span_workflows import runner
+
+    monkeypatch.setattr(span_workflows, "Engine", lambda *a, **k: _SessionEngine(engine))
+    monkeypatch.setattr(runner, "_default_engine", engine)
+    ran = []
+    for path in _pages():
+        namespace: dict[str, object] = {"__name__": f"docs_{path.stem.replace('-', '_')}"}
+        for line, source in _blocks(path, "python"):
+            name = _name(path, line)
+            if source.startswith(FRAGMENT) or any(call in source for call in RUN_ELSEWHERE):
+                continue
+            source = source.replace(EXAMPLE_URL, shared_server.url)
+            source = source.replace(EXAMPLE_KEY, repr(API_KEY))
+            with warnings.catch_warnings(record=True):
+                exec(compile(source, name, "exec"), namespace)  # the documentation's example
+            if not _runs(source):  # (the others run here too: later blocks use their names)
+                ran.append(name)
+    assert len(ran) >= 10, ran
 
 
 def test_the_run_rule() -> None:
