@@ -176,9 +176,9 @@ class _SessionEngine:
 def test_the_blocks_that_need_a_backend_run_on_the_sessions(engine, shared_server,
                                                             monkeypatch) -> None:
     """Every block the test above only compiles runs here, after the blocks before it in its
-    file, in one namespace: ``Engine(...)`` and the framework models' default engine are the session's
-    engine, and the examples' server (``http://127.0.0.1:8000``, key ``"KEY"``) is the
-    session's shared server."""
+    file, in one namespace: ``Engine(...)`` and the framework models' default engine are the
+    session's engine, and the examples' server (``http://127.0.0.1:8000``, key ``"KEY"``) is
+    the session's shared server."""
     from shared_server import API_KEY
 
     import span_workflows
