@@ -187,8 +187,8 @@ def run_route(argv: Sequence[str]) -> int:
     print_table([{k: r[k] for k in FIELDS} for r in rows])
     # this run's rows: a simulation (no model runs), or servers this bench started, each
     # request sent once
-    if args.mode == "sim":
-        rows = stamp(rows, reps=1)
+    if args.mode == "sim":  # no model runs: its costs are CostModel's
+        rows = [{**row, "model": None} for row in stamp(rows, reps=1)]
     else:
         from span_workflows.model import DEFAULT_MODEL_NAME
 
