@@ -379,6 +379,91 @@ def test_the_readme_rag_table_is_the_committed_one() -> None:
             assert cell.endswith(f"({row[column]})"), (line, column)
 
 
+def _table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """The cells of each Markdown table row of ``text`` whose first cell matches the regular
+    expression ``first_cell``."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if re.fullmatch(first_cell, cells[0]):
+                rows.append(cells)
+    return rows
+
+
+def _matches(cell: str, value: float) -> bool:
+    printed, tolerance = _printed(cell)
+    return abs(printed - value) <= tolerance + 1e-9
+
+
+def test_the_reposition_and_compile_notes_are_the_committed_ones() -> None:
+    notes = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    rows = {r["blocks"]: r for r in json.loads((RESULTS / "reposition.json").read_text())}
+    table = _table_rows(notes.split("**reposition**", 1)[1].split("\n\n**", 1)[0], r"\d+")
+    assert {int(cells[0]) for cells in table} == set(rows)
+    for cells in table:
+        row = rows[int(cells[0])]
+        for cell, column in zip(cells[1:], ("tokens", "rotate_tokens_per_ms",
+                                            "copy_tokens_per_ms", "ratio_to_copy"), strict=True):
+            assert _matches(cell, row[column]), (cells, column, row[column])
+    shares = [r["share_of_hit_ttft"] * 100
+              for r in json.loads((RESULTS / "compile.json").read_text())["compile"]]
+    printed = re.search(r"\*\*([\d.]+)–([\d.]+) % of hit TTFT\*\*", notes)
+    assert printed, "the compile share of hit TTFT"
+    assert _matches(printed.group(1), min(shares)) and _matches(printed.group(2), max(shares))
+
+
+def test_the_rag_table_of_the_benchmark_notes_is_the_committed_one() -> None:
+    rows = {r["n_docs"]: r for r in json.loads((RESULTS / "rag.json").read_text())}
+    notes = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    table = _table_rows(notes.split("**rag**", 1)[1].split("\n\n**", 1)[0], r"\d+")
+    assert {int(cells[0]) for cells in table} == set(rows)
+    for cells in table:
+        row = rows[int(cells[0])]
+        stock_new, span_new = cells[4].split("/")
+        printed = (cells[1], cells[2], cells[3], stock_new, span_new, *cells[5:10])
+        columns = ("ttft_stock_s", "ttft_span_miss_s", "speedup_miss", "ttft_stock_new_docs_s",
+                   "ttft_span_new_docs_s", "speedup_new_docs", "ttft_span_hit_s",
+                   "ttft_span_new_combination_s", "ttft_floor_s", "speedup_new_combination")
+        for cell, column in zip(printed, columns, strict=True):
+            assert _matches(cell, row[column]), (cells[0], column, row[column])
+        steps = [int(n) for n in cells[10].split("/")]
+        assert steps == [row[f"steps_{k}"] for k in ("stock", "miss", "new_docs",
+                                                     "new_combination")], cells[0]
+        tokens = [int(n) for n in cells[11].split("/")]
+        assert tokens == [row[f"tokens_{k}"] for k in ("stock", "miss", "new_docs", "hit")]
+        assert cells[12] == ("yes" if row["same_output"] else "no"), cells[0]
+
+
+def test_the_store_table_is_the_committed_one() -> None:
+    rows = {r["way"]: r for r in json.loads((RESULTS / "store.json").read_text())}
+    page = _page("span-store.md")
+    ways = {"in the KV cache": "in cache", "in the store only (cache cold)": "store",
+            "stock vLLM (nothing cached)": "stock"}
+    table = _table_rows(page, "|".join(re.escape(w) for w in ways))
+    assert len(table) == len(ways)
+    for cells in table:
+        row = rows[ways[cells[0]]]
+        for cell, column in zip(cells[1:4], ("ttft_s", "vs_stock", "vs_in_cache"), strict=True):
+            assert _matches(cell, row[column]), (cells, column, row[column])
+        assert int(cells[4]) == row["final_steps"] and int(cells[5]) == row["store_blocks"]
+    assert f"commit `{rows['store']['commit']}`" in page
+
+
+def test_the_real_routing_table_is_the_committed_one() -> None:
+    rows = {r["router"]: r for r in json.loads((RESULTS / "route.json").read_text())
+            if r["mode"] == "real"}
+    table = _table_rows(_page("scale-out.md").split("Real (`--mode real`)", 1)[1],
+                        "|".join(re.escape(name) for name in rows))
+    assert {cells[0] for cells in table} == set(rows)
+    for cells in table:
+        row = rows[cells[0]]
+        values = (row["hit_rate"], row["hit_rate"] / row["single_node_hit_rate"],
+                  row["p50_ttft_s"], row["p95_ttft_s"], row["max_load_ratio"])
+        for cell, value in zip(cells[1:], values, strict=True):
+            assert _matches(cell, value), (cells, value)
+
+
 def test_the_bulk_notes_are_the_committed_ratios() -> None:
     """The bulk paragraph of benchmarks/README.md (the site's Notes page): clustered against
     arrival order where the working set is 4x the cache, and where it fits, per document
@@ -403,6 +488,34 @@ def test_the_bulk_notes_are_the_committed_ratios() -> None:
                 qps("cluster", 100, True, engines=2) / qps("cluster", 100, True))
     for text, value in zip(printed.groups(), expected, strict=True):
         assert abs(float(text) - value) <= 0.005 + 1e-9, (text, value)
+
+
+def test_the_bulk_guide_table_is_the_committed_one() -> None:
+    """The table of docs/guides/bulk.md, row by row against ``results/bulk.json`` (a blank
+    first or second cell repeats the row above)."""
+    rows = json.loads((RESULTS / "bulk.json").read_text())
+    table = _table_rows(_page("bulk.md"), r"~\d+ tokens|")
+    assert len(table) == len(rows)
+    doc_tokens = ratio = 0.0
+    for cells in table:
+        doc_tokens = float(cells[0].strip("~ tokens") or doc_tokens)
+        ratio = float(cells[1] or ratio)
+        schedule = re.search(r"`(\w+)`", cells[2])
+        assert schedule, cells
+        engines = 2 if "2 Ray actors" in cells[2] else 1
+        [row] = [r for r in rows if r["doc_tokens"] == doc_tokens and r["engines"] == engines
+                 and r["schedule"] == schedule.group(1)
+                 and abs(r["working_set_over_cache"] - ratio) < 0.05]
+        [arrival] = [r for r in rows if r["doc_tokens"] == doc_tokens and r["engines"] == 1
+                     and r["schedule"] == "given"
+                     and r["working_set_over_cache"] == row["working_set_over_cache"]]
+        low, high = cells[4].split("–")
+        for cell, value in ((cells[3], row["queries_per_s"]), (low, row["queries_per_s_min"]),
+                            (high, row["queries_per_s_max"]),
+                            (cells[5], row["queries_per_s"] / arrival["queries_per_s"]),
+                            (cells[6], 100 * row["hit_rate"])):
+            assert _matches(cell.strip("* "), value), (cells, value)
+        assert int(cells[7].replace(",", "")) == row["tokens_computed"], cells
 
 
 def test_the_readme_is_short_and_keeps_the_quickstart() -> None:

@@ -60,12 +60,12 @@ def test_a_copy_never_finds_the_pool_empty(http: httpx.Client) -> None:
     a = _query([SPAN], "Who built the lighthouse? Then tell me all you know about it.",
                max_tokens=160, weights=BASE_MODEL_NAME)
     waited = _counters(http)["deferred_hits"]
+    reset_server_cache(http)
+    alone_a = _run(http, a)["text"]  # A's request is the same at every tail size
     # B's tail from about the blocks A leaves free (A holds ~9) to more than that
     for tail_blocks in range(SMALL_POOL_BLOCKS - 14, SMALL_POOL_BLOCKS - 7, 2):
         question = "Who built the lighthouse? " + "Think step by step. " * (6 * tail_blocks)
         b = _query([OTHER, SPAN], question, max_tokens=4, weights=BASE_MODEL_NAME)
-        reset_server_cache(http)
-        alone_a = _run(http, a)["text"]
         reset_server_cache(http)
         alone_b = _run(http, b)["text"]
         reset_server_cache(http)
