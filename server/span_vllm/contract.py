@@ -69,6 +69,9 @@ START_LOG_ENV = "SPAN_VLLM_START_LOG"
 #: MiB of LoRA weights merged for one-adapter steps that a CPU engine process may hold
 #: (default 1024; ``0``: never merge, every step takes the grouped LoRA products).
 LORA_MERGE_ENV = "SPAN_VLLM_LORA_MERGE_MIB"
+#: ``mp`` keeps vLLM's CPU executor for a one-worker engine core (a worker process of its
+#: own); unset or ``uni``, the worker runs in the engine-core process (one process fewer).
+CPU_EXECUTOR_ENV = "SPAN_VLLM_CPU_EXECUTOR"
 #: ``SamplingParams.extra_args`` key of a request's span layout.
 LAYOUT_KEY = "span_layout"
 
@@ -212,7 +215,8 @@ def tag_args(tag: str) -> dict[str, object]:
 
 __all__ = [
     "ALIGN_KEY", "ALIGN_PROCESSOR", "ANCHORED", "BIAS_DEFAULTS", "DEFAULT_KV_CACHE_GIB",
-    "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV", "LAYOUT_KEY", "LOGITS_PROCESSORS",
+    "CPU_EXECUTOR_ENV", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV", "LAYOUT_KEY",
+    "LOGITS_PROCESSORS",
     "LORA_MERGE_ENV",
     "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "START_LOG_ENV", "STATS_CALL", "STAT_HELP",
     "STEPS_CALL", "Segment", "Segments", "TAG_KEY", "VLLM_ENV_DEFAULTS", "adapter_digest",

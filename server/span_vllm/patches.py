@@ -16,7 +16,9 @@ Each patch wraps one vLLM function by name (no fork):
 * ``Scheduler.__init__`` / ``KVCacheManager.__init__`` → refuse unsupported models at start
   (:mod:`support`);
 * ``EngineCore`` gains the utility calls ``span_probe``, ``span_stats`` and ``span_steps``;
-* ``vllm.lora.punica_wrapper.punica_cpu``'s LoRA ops → grouped matmuls (:mod:`lora_cpu`).
+* ``vllm.lora.punica_wrapper.punica_cpu``'s LoRA ops → grouped matmuls (:mod:`lora_cpu`);
+* ``CpuPlatform.check_and_update_config`` → a one-worker engine core on CPU keeps its worker
+  in its own process (:func:`_patch_cpu_executor`).
 
 Blocks computed under a LoRA adapter are keyed by the adapter's content
 (:func:`hashing.request_extra_keys`), not by vLLM's ``(name, path)``.
@@ -72,6 +74,7 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", ("self", "vllm_config")),
     ("vllm.v1.engine.core", "EngineCore.add_request", ("self", "request")),
     ("vllm.v1.engine.core", "EngineCore.add_lora", ("self", "lora_request")),
+    ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
 )
 SUPPORTED_VLLM = "0.32.0"
 
@@ -126,7 +129,39 @@ def apply() -> None:
         _patch_worker()
         _patch_engine_core()
         _patch_lora()
+        _patch_cpu_executor()
         _applied = True
+
+
+def _patch_cpu_executor() -> None:
+    """On CPU, vLLM runs even a one-worker engine core's worker in a process of its own (its
+    ``mp`` executor, spawned: one more Python start and vLLM import, about 8 s on a 2-core
+    machine, for every server start). The worker then computes on one core with the engine
+    core's scheduler beside it, which is how an in-process engine (``uni``) already runs, so
+    a one-worker engine core here keeps ``uni``: the worker runs in the engine-core process.
+    :data:`contract.CPU_EXECUTOR_ENV` ``=mp`` keeps vLLM's choice; an executor asked for
+    explicitly, or more than one worker, is left as vLLM decides."""
+    import os
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    from span_vllm.contract import CPU_EXECUTOR_ENV
+
+    original = CpuPlatform.__dict__["check_and_update_config"].__func__
+    if getattr(original, "__span_patched__", False):
+        return
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        parallel = vllm_config.parallel_config
+        one_worker = parallel.distributed_executor_backend == "uni" and parallel.world_size == 1
+        original(cls, vllm_config)
+        if one_worker and os.environ.get(CPU_EXECUTOR_ENV, "uni").strip().lower() != "mp":
+            parallel.distributed_executor_backend = "uni"
+
+    functools.update_wrapper(check_and_update_config, original)
+    check_and_update_config.__span_patched__ = True  # type: ignore[attr-defined]
+    check_and_update_config.__span_original__ = original  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
 
 
 def _patch_lora() -> None:
