@@ -361,6 +361,12 @@ def _printed(text: str) -> tuple[float, float]:
     return float(number.group()), 0.5 * 10.0 ** -len(digits)
 
 
+def _matches(cell: str, value: float) -> bool:
+    """Whether ``cell`` prints ``value`` (within half a unit of its last digit)."""
+    printed, tolerance = _printed(cell)
+    return abs(printed - value) <= tolerance + 1e-9
+
+
 def test_the_readme_rag_table_is_the_committed_one() -> None:
     rows = {row["n_docs"]: row for row in json.loads((RESULTS / "rag.json").read_text())}
     columns = ("ttft_stock_s", "ttft_span_miss_s", "ttft_stock_new_docs_s",
@@ -373,8 +379,7 @@ def test_the_readme_rag_table_is_the_committed_one() -> None:
         cells = [c.strip() for c in line.strip("|").split("|")]
         row = rows[int(cells[0])]
         for cell, column in zip(cells[1:], columns, strict=True):
-            value, tolerance = _printed(cell)
-            assert abs(value - row[column]) <= tolerance + 1e-9, (line, column, row[column])
+            assert _matches(cell, row[column]), (line, column, row[column])
         for cell, column in ((cells[5], "steps_hit"), (cells[6], "steps_new_combination")):
             assert cell.endswith(f"({row[column]})"), (line, column)
 
@@ -389,11 +394,6 @@ def _table_rows(text: str, first_cell: str) -> list[list[str]]:
             if re.fullmatch(first_cell, cells[0]):
                 rows.append(cells)
     return rows
-
-
-def _matches(cell: str, value: float) -> bool:
-    printed, tolerance = _printed(cell)
-    return abs(printed - value) <= tolerance + 1e-9
 
 
 def test_the_reposition_and_compile_notes_are_the_committed_ones() -> None:

@@ -28,12 +28,19 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from span_vllm import config as span_config
-from span_vllm.contract import PROBE_CALL, STATS_CALL, STEPS_CALL, note_start
+from span_vllm.contract import (
+    CPU_EXECUTOR_ENV,
+    PROBE_CALL,
+    STATS_CALL,
+    STEPS_CALL,
+    note_start,
+)
 from span_vllm.hashing import (
     hash_blocks,
     make_request_block_hasher,
@@ -141,27 +148,20 @@ def _patch_cpu_executor() -> None:
     a one-worker engine core here keeps ``uni``: the worker runs in the engine-core process.
     :data:`contract.CPU_EXECUTOR_ENV` ``=mp`` keeps vLLM's choice; an executor asked for
     explicitly, or more than one worker, is left as vLLM decides."""
-    import os
-
     from vllm.platforms.cpu import CpuPlatform
 
-    from span_vllm.contract import CPU_EXECUTOR_ENV
+    def make(original: Callable) -> Callable:
+        def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+            parallel = vllm_config.parallel_config
+            one_worker = (parallel.distributed_executor_backend == "uni"
+                          and parallel.world_size == 1)
+            original(cls, vllm_config)
+            if one_worker and os.environ.get(CPU_EXECUTOR_ENV, "uni").strip().lower() != "mp":
+                parallel.distributed_executor_backend = "uni"
 
-    original = CpuPlatform.__dict__["check_and_update_config"].__func__
-    if getattr(original, "__span_patched__", False):
-        return
+        return check_and_update_config
 
-    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
-        parallel = vllm_config.parallel_config
-        one_worker = parallel.distributed_executor_backend == "uni" and parallel.world_size == 1
-        original(cls, vllm_config)
-        if one_worker and os.environ.get(CPU_EXECUTOR_ENV, "uni").strip().lower() != "mp":
-            parallel.distributed_executor_backend = "uni"
-
-    functools.update_wrapper(check_and_update_config, original)
-    check_and_update_config.__span_patched__ = True  # type: ignore[attr-defined]
-    check_and_update_config.__span_original__ = original  # type: ignore[attr-defined]
-    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign,assignment]
+    _wrap(CpuPlatform, "check_and_update_config", make)
 
 
 def _patch_lora() -> None:
@@ -173,14 +173,18 @@ def _patch_lora() -> None:
 
 
 def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
-    original = getattr(owner, name)
+    """Replace ``owner.name`` by ``make(original)`` once; a classmethod of ``owner`` stays a
+    classmethod (``make`` gets and returns the function, ``cls`` first)."""
+    defined = vars(owner).get(name) if isinstance(owner, type) else None
+    is_classmethod = isinstance(defined, classmethod)
+    original = defined.__func__ if is_classmethod else getattr(owner, name)
     if getattr(original, "__span_patched__", False):
         return
     wrapped = make(original)
     functools.update_wrapper(wrapped, original)
     wrapped.__span_patched__ = True  # type: ignore[attr-defined]
     wrapped.__span_original__ = original  # type: ignore[attr-defined]
-    setattr(owner, name, wrapped)
+    setattr(owner, name, classmethod(wrapped) if is_classmethod else wrapped)
 
 
 def _patch_hashing(key: str) -> None:
