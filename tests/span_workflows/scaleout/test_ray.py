@@ -38,8 +38,15 @@ def cluster(tmp_path_factory, local_ray):
                              server_command=(sys.executable, str(STUB), "{port}"),
                              env={"STUB_DIR": str(stub_dir)}, request_timeout_s=60)
     serve.run(build_app(options), name=APP_NAME, route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    # serve.run returns once both replicas run, but the ingress's router learns of them
+    # through a long poll: until it lists both, every query goes to the one it knows
+    deadline = time.monotonic() + 120
+    while len(replica_ids(url)) < 2:
+        assert time.monotonic() < deadline, "the router never listed both replicas"
+        time.sleep(0.5)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         serve.shutdown()
 
