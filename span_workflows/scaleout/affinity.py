@@ -208,6 +208,53 @@ class SpanAffinityPolicy:
         return {r for r in loads if self._recent_counts.get(r, 0) > cap}
 
 
+class InFlight:
+    """Requests in flight per replica, counted from two notices that may come in either order:
+    ``routed`` (the request went to a replica) and ``completed`` (it ended). Ray Serve sends
+    the completion from a done-callback that can run before the routing notice when a replica
+    answers at once; a completion seen first is remembered, so the request is never counted
+    (counting it would leave the replica one request heavier for good)."""
+
+    def __init__(self, remembered: int = 4096) -> None:
+        self._remembered = remembered
+        self._where: dict[Hashable, ReplicaName] = {}
+        self._ended_early: OrderedDict[Hashable, None] = OrderedDict()
+        self._load: Counter[ReplicaName] = Counter()
+
+    def routed(self, request: Hashable, replica: ReplicaName) -> None:
+        """``request`` was sent to ``replica``."""
+        if request in self._ended_early:
+            del self._ended_early[request]
+            return
+        self._where[request] = replica
+        self._load[replica] += 1
+
+    def completed(self, request: Hashable) -> None:
+        """``request`` ended (answered, failed or cancelled)."""
+        replica = self._where.pop(request, None)
+        if replica is None:
+            self._ended_early[request] = None
+            while len(self._ended_early) > self._remembered:
+                self._ended_early.popitem(last=False)
+        elif self._load[replica] > 0:
+            self._load[replica] -= 1
+
+    def load(self, replica: ReplicaName) -> int:
+        """Requests in flight on ``replica``."""
+        return self._load.get(replica, 0)
+
+    def drop(self, replica: ReplicaName) -> None:
+        """Forget ``replica``'s requests (it died: they end without it)."""
+        self._load.pop(replica, None)
+        self._where = {q: r for q, r in self._where.items() if r != replica}
+
+    def keep_only(self, replicas: Iterable[ReplicaName]) -> None:
+        """Forget the requests of every replica not in ``replicas`` (they died or left)."""
+        alive = set(replicas)
+        for gone in [r for r in self._load if r not in alive]:
+            self.drop(gone)
+
+
 def _unique(keys: Sequence[SpanKey]) -> list[SpanKey]:
     seen: set[Hashable] = set()
     out = []
@@ -218,4 +265,4 @@ def _unique(keys: Sequence[SpanKey]) -> list[SpanKey]:
     return out
 
 
-__all__ = ["AffinityOptions", "ReplicaSpanCache", "SpanAffinityPolicy", "SpanKey"]
+__all__ = ["AffinityOptions", "InFlight", "ReplicaSpanCache", "SpanAffinityPolicy", "SpanKey"]

@@ -32,7 +32,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from span_workflows.scaleout.affinity import AffinityOptions, SpanAffinityPolicy, SpanKey
+from span_workflows.scaleout.affinity import AffinityOptions, InFlight, SpanAffinityPolicy, SpanKey
 
 #: Routers alive in this process, by Serve application name (the ingress asks its own).
 _ACTIVE: dict[str, SpanAffinityRouter] = {}
@@ -74,8 +74,7 @@ class SpanAffinityRouter(RequestRouter):
         self.policy = SpanAffinityPolicy(AffinityOptions(
             capacity_tokens=capacity_tokens, imbalance_threshold=imbalance_threshold,
             min_match_tokens=min_match_tokens, max_share=max_share), seed=None)
-        self._flight: dict[str, ReplicaID] = {}
-        self._load: dict[ReplicaID, int] = {}
+        self._in_flight = InFlight()
         self._routed: OrderedDict[str, ReplicaID] = OrderedDict()
         # Ray may ship this class by value: register in the module as imported here.
         registry = importlib.import_module(__name__)._ACTIVE
@@ -105,7 +104,7 @@ class SpanAffinityRouter(RequestRouter):
         """Requests in flight on ``replica``: sent by this router and not completed, or the
         queue length Ray last probed, whichever is larger."""
         probed = self.replica_queue_len_cache.get(replica)
-        return max(self._load.get(replica, 0), int(probed or 0))
+        return max(self._in_flight.load(replica), int(probed or 0))
 
     # -- RequestRouter --------------------------------------------------------------------
 
@@ -145,28 +144,24 @@ class SpanAffinityRouter(RequestRouter):
                     self._routed.popitem(last=False)
         internal = _internal_id(pending_request)
         if internal is not None:
-            self._flight[internal] = replica_id
-            self._load[replica_id] = self._load.get(replica_id, 0) + 1
+            self._in_flight.routed(internal, replica_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The call ended (answered or failed): no longer in flight."""
-        replica = self._flight.pop(internal_request_id, None)
-        if replica is not None and self._load.get(replica, 0) > 0:
-            self._load[replica] -= 1
+        self._in_flight.completed(internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """Ray's notice that a replica died: its cache is gone."""
         super().on_replica_actor_died(replica_id)
         self.policy.drop(replica_id)
-        self._load.pop(replica_id, None)
+        self._in_flight.drop(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Ray's current replica set: forget replicas no longer in it."""
         super().update_replicas(replicas)
         alive = {r.replica_id for r in replicas}
         self.policy.keep_only(alive)
-        for gone in [r for r in self._load if r not in alive]:
-            del self._load[gone]
+        self._in_flight.keep_only(alive)
 
 
 def router_for(app_name: str) -> SpanAffinityRouter | None:

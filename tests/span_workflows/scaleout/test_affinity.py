@@ -75,3 +75,25 @@ def test_duplicate_keys_count_once() -> None:
 def test_bad_input_is_refused(bad) -> None:
     with pytest.raises(ValueError):
         bad()
+
+
+def test_in_flight_counts_requests_whatever_order_the_notices_come_in() -> None:
+    from span_workflows.scaleout.affinity import InFlight
+
+    flight = InFlight()
+    flight.routed("q1", "A")
+    flight.routed("q2", "A")
+    assert flight.load("A") == 2
+    flight.completed("q1")
+    assert flight.load("A") == 1
+    # a replica that answers at once: the completion comes before the routing notice
+    flight.completed("q3")
+    flight.routed("q3", "B")
+    assert flight.load("B") == 0
+    flight.completed("q2")
+    assert flight.load("A") == 0
+    flight.routed("q4", "A")
+    flight.drop("A")
+    flight.completed("q4")  # the dead replica's request ends: nothing is counted for it
+    flight.routed("q5", "A")
+    assert flight.load("A") == 1
