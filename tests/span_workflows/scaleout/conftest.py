@@ -1,7 +1,7 @@
-"""One local Ray for the session's in-process Ray tests (``test_ray``'s Serve application on
-stand-in replicas, ``test_ray_bulk``'s Ray Data bulk): each ``ray.init`` costs seconds.
-(``test_ray_engine`` runs ``span-workflows serve --replicas 2``, which starts its own, as a
-user's command does.)"""
+"""One local Ray for every Ray test (``test_ray``'s Serve application on stand-in replicas,
+``test_ray_bulk``'s Ray Data bulk, and ``test_ray_engine``'s ``span-workflows serve
+--ray-address``, which joins it): each ``ray.init`` costs seconds. It is shut down once this
+package's tests are done (idle, it would still take about 5 % of a core)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def local_ray() -> Iterator[None]:
     """``ray.init`` on this machine (2 CPUs, no dashboard), with the environment span engines
-    need forwarded to its workers; shut down at the end of the session."""
+    need forwarded to its workers; shut down after this package's tests."""
     ray = pytest.importorskip("ray")
     from span_workflows.scaleout.bulk import forwarded_env
 

@@ -23,7 +23,7 @@ DOCS = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(70)) for i in ra
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, local_ray):
-    """The application on two stand-in replicas on the session's local Ray; yields the
+    """The application on two stand-in replicas on the package's local Ray; yields the
     ingress URL."""
     from ray import serve
 
