@@ -1,6 +1,8 @@
-"""A bulk on Ray Data with two real SmolLM2-135M span engines (CPU actors): whole clusters to
-one engine each, the answers of the single engine, and an engine killed while the bulk runs
-whose cluster is run again elsewhere (every query answered once)."""
+"""A bulk on Ray Data on a real SmolLM2-135M span engine (a CPU actor): whole clusters to an
+engine, the answers of the engine in this process, and the engine killed while the bulk runs:
+Ray restarts it and the cluster it was running is run again, whole (every query answered
+once). One actor: which free actor of a pool takes the next cluster is Ray Data's own
+scheduling; a second engine here would cost a start-up and test nothing of ours."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def test_clusters_run_whole_and_a_killed_engines_cluster_is_redone(local_ray, en
 
     # clusters sized for a cache that holds one topic's notes and queries, not two: six
     # clusters; each engine's own cache is 64 blocks (2048 tokens: small in memory)
-    options = BulkOptions(replicas=2, num_cpus=1, kv_cache_gib=1, kv_cache_blocks=64,
+    options = BulkOptions(replicas=1, num_cpus=1, kv_cache_gib=1, kv_cache_blocks=64,
                           max_in_flight=2, cache_tokens=1200)
     rows, errors = cluster_rows(QUERIES, options, engine.tokenizer)
     assert not errors and len(rows) == len(TOPICS)
@@ -51,16 +53,14 @@ def test_clusters_run_whole_and_a_killed_engines_cluster_is_redone(local_ray, en
         assert answer.ok, answer.error
         answers.append((answer.index, name, killed is not None))
         texts[answer.index] = answer.result.text
-        if killed is None:  # the first cluster is back: kill the other engine, mid-cluster
-            first_pid = int(name.rsplit(":", 1)[1])
-            others = [pid for pid in engine_pids() if pid != first_pid]
-            assert others, "the second engine is not up"
-            killed = others[0]
+        if killed is None:  # the first cluster is back: kill its engine, now on the next one
+            killed = int(name.rsplit(":", 1)[1])
+            assert engine_pids() == [killed]
             os.kill(killed, signal.SIGKILL)
     assert sorted(i for i, _, _ in answers) == list(range(len(QUERIES)))  # each once
     pid = {i: int(name.rsplit(":", 1)[1]) for i, name, _ in answers}
-    assert len(set(pid.values())) >= 2
-    # The bulk goes on after the kill, on a live engine. (Answers the killed engine had
+    assert len(set(pid.values())) == 2  # the engine, then the one Ray restarted
+    # The bulk goes on after the kill, on the restarted engine. (Answers the killed engine had
     # finished before it died may still arrive after the kill: they were already sent.)
     assert any(pid[i] != killed for i, _, late in answers if late)
     for cluster in set(cluster_of.values()):  # a cluster was answered whole by one engine
