@@ -33,6 +33,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -332,6 +333,11 @@ class SpanIngressCore:
         self.handle = handle
         self.keyer: Any = None
         self._ready = asyncio.Lock()
+        # The tokenizer loads (seconds: transformers' import, the files) while the replicas
+        # start their engines, not after the first of them answers.
+        loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="span-ingress-tokenizer")
+        self._tokenizer: Future[Any] = loader.submit(_tokenizer, self.options)
+        loader.shutdown(wait=False)
 
     async def _prepare(self) -> None:
         """Learn the replicas' block size (and cache size) once; build the keyer."""
@@ -342,7 +348,7 @@ class SpanIngressCore:
 
             info = await self._call("info", None, retry=True)
             block = self.options.block_size or info.block_size or 32
-            self.keyer = QueryKeyer(_tokenizer(self.options), block,
+            self.keyer = QueryKeyer(await asyncio.wrap_future(self._tokenizer), block,
                                     with_prompt=self.options.router == "prefix-affinity")
             router = self.router()
             if router is not None and self.options.capacity_tokens is None and info.cache_tokens:

@@ -65,3 +65,42 @@ def test_cache_size_is_read_from_whole_label_names() -> None:
 def test_the_config_file_builder_checks_its_args() -> None:
     with pytest.raises(ValueError, match="unknown router"):
         app_from_args({"router": "nope"})
+
+
+def test_the_ingress_loads_its_tokenizer_before_a_replica_answers(monkeypatch) -> None:
+    """The tokenizer (seconds to load) is loaded from the ingress's start, while the replicas
+    start their engines; the first query waits only for a replica's answer."""
+    import asyncio
+    import threading
+
+    import span_workflows.scaleout.deployment as deployment
+
+    loaded = threading.Event()
+
+    def fake_tokenizer(options):
+        loaded.set()
+        return "the tokenizer"
+
+    built = {}
+
+    class FakeKeyer:
+        def __init__(self, tokenizer, block, with_prompt=False):
+            built.update(tokenizer=tokenizer, block=block)
+
+    class Info:
+        block_size, cache_tokens = 16, 0
+
+    class Handle:  # a replica that has not answered yet
+        pass
+
+    monkeypatch.setattr(deployment, "_tokenizer", fake_tokenizer)
+    monkeypatch.setattr("span_workflows.keys.QueryKeyer", FakeKeyer)
+    core = deployment.SpanIngressCore(Handle(), {"router": "power-of-two"})
+    assert loaded.wait(5)  # no replica asked yet
+
+    async def info(*_, **__):
+        return Info()
+
+    monkeypatch.setattr(core, "_call", info)
+    asyncio.run(core._prepare())
+    assert built == {"tokenizer": "the tokenizer", "block": 16}

@@ -53,7 +53,7 @@ def replicas(tmp_path_factory, local_ray):
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(2)
+            time.sleep(0.5)
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGINT)
