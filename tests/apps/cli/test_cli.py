@@ -85,18 +85,21 @@ init_logger("vllm.probe").info("probe line from vLLM's logger")
 """
 
 
-@pytest.mark.parametrize("verbose", [False, True])
-def test_vllms_log_lines_show_only_with_verbose(tmp_path: Path, verbose: bool) -> None:
+def test_vllms_log_lines_show_only_with_verbose(tmp_path: Path) -> None:
     """The command sets vLLM's log level before vLLM is imported: its INFO lines reach stderr
     with ``--verbose`` only (the quiet case on a real engine start is the test above; this
-    one needs no engine)."""
+    one needs no engine). The two commands run side by side (each imports vLLM)."""
     query = _write(tmp_path, "q.json", to_json(rag("Answer briefly.", DOCS, "Who?")))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_LOGGING")}
-    args = ["compile", str(query), *(["--verbose"] if verbose else [])]
-    done = subprocess.run([sys.executable, "-c", _LOG_PROBE, *args], capture_output=True,
-                          text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert ("probe line from vLLM's logger" in done.stderr) is verbose
+    probes = {verbose: subprocess.Popen(
+        [sys.executable, "-c", _LOG_PROBE, "compile", str(query),
+         *(["--verbose"] if verbose else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for verbose in (False, True)}
+    for verbose, probe in probes.items():
+        _, stderr = probe.communicate(timeout=300)
+        assert probe.returncode == 0, stderr[-2000:]
+        assert ("probe line from vLLM's logger" in stderr) is verbose, verbose
 
 
 def test_compile_prints_the_tree_and_token_form(tmp_path: Path) -> None:
