@@ -174,7 +174,7 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     counting = CountingEngine(engine)
     names = ["prefix/link", "full@pad-after"]
     sizes = ("short", "long")
-    rows = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
+    rows = bq.bench_quality(counting, names, [2], 3, ttft_docs=2, ttft_doc_tokens=48, reps=1,
                             progress=False, store=store, sizes=sizes)
     assert counting.answering_calls == 6  # stock, prefix/link, full@: one batch per size
     # the rows measure the engine's own model, not the adapter it routes span queries to
@@ -182,7 +182,7 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     assert [(r["size"], r["variant"]) for r in rows] == [
         (size, name) for size in sizes for name in ("stock", "prefix/link", "full@pad-after")]
     for row in rows:
-        assert set(row) == ROW_KEYS and row["questions"] == 6
+        assert set(row) == ROW_KEYS and row["questions"] == 3
         assert row["ci_low"] <= row["accuracy"] <= row["ci_high"]
         assert row["delta_low"] <= row["delta_vs_stock"] <= row["delta_high"]
     by_name = {(r["size"], r["variant"]): r for r in rows}
@@ -203,7 +203,7 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     assert len(saved) - len(answered) == 2 * (1 + len(sizes))
 
     counting.answering_calls = 0
-    again = bq.bench_quality(counting, names, [2], 6, ttft_docs=2, ttft_doc_tokens=48, reps=1,
+    again = bq.bench_quality(counting, names, [2], 3, ttft_docs=2, ttft_doc_tokens=48, reps=1,
                              progress=False, store=bq.AnswerStore(tmp_path / "answers.json"),
                              sizes=sizes)
     assert counting.answering_calls == 0  # every answer came from the file
