@@ -1,5 +1,5 @@
 """``span-workflows serve --replicas 1 --ray-address ...`` on this machine: a real SmolLM2-135M
-span engine on Ray Serve, on the session's Ray cluster, behind the ingress, answering the single
+span engine on Ray Serve, on this package's Ray cluster, behind the ingress, answering the single
 server's API. (Routing among several replicas, their faults and their merged metrics are
 ``test_ray.py``'s, on stand-in servers: the same ingress, keyer and router.)"""
 
@@ -26,22 +26,19 @@ DOCS = [f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(70)) for i in ra
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory, local_ray):
-    """The CLI's application with one replica on the session's Ray; yields its URL (stopped
-    with Ctrl-C at the end)."""
+    """The CLI's application with one replica on the package's Ray (``local_ray``, which
+    also keeps Ray's memory monitor off); yields its URL (stopped with Ctrl-C at the end)."""
     import ray
 
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # The machine is shared: Ray's own memory monitor would kill replicas when *other*
-    # processes fill the memory; leave that to the kernel here (unless the caller set it).
-    env = {"RAY_memory_monitor_refresh_ms": "0", **os.environ}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "span_workflows.apps.cli.main", "serve", "--replicas", "1",
              "--kv-cache-gib", "1", "--num-cpus", "0.5", "--port", str(port),
              "--ray-address", ray.get_runtime_context().gcs_address],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env)
+            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 480
     try:
