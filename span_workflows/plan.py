@@ -13,7 +13,11 @@ everything its prompt needs from the cache; then per plus (a *stage*), the *prep
 (``max_tokens=1``) of the spans the cache lacks — batched, each computed alone so a span's
 cached KV never depends on its neighbours — and then the plus's *link* requests, batched too
 (each reads the earlier spans as cached); then the main request, whose spans are cache hits
-repositioned to where they now sit. A span the main request computes in its own context
+repositioned to where they now sit. The last stage's prepares, when no link request follows
+them, are submitted with the main request, before it: on CPU the engine computes them and
+answers in one step (the plugin copies the spans to where the main request reads them inside
+the forward pass, :mod:`span_vllm.positions`); elsewhere the main request waits a step for
+them. A span the main request computes in its own context
 (``TokenizedQuery.main_computes_from``) is not prepared. A hit of cached spans in a new order
 therefore waits two engine steps (links, final), a reordered set one.
 
@@ -349,9 +353,16 @@ class Planner:
             # cached are then in use, and freshest in the cache, while the missing ones compute.
             # A later stage's context holds the spans of the earlier ones: stages run in order;
             # a stage's links read its spans as cached: after its prepares.
-            for stage, links in zip(tq.prepare_stages, tq.link_stages, strict=True):
+            # The last stage's prepares, when no link follows them, go with the main request:
+            # the engine computes them and answers in one step where it can.
+            with_final: list[SpanPrompt] = []
+            for index, (stage, links) in enumerate(
+                    zip(tq.prepare_stages, tq.link_stages, strict=True)):
                 prepares = missing(stage, [_key(p) in hit for p in stage])
-                if prepares:
+                relinks = missing(links, [_key(p) in hit for p in links])
+                if prepares and not relinks and index == len(tq.prepare_stages) - 1:
+                    with_final = prepares
+                elif prepares:
                     requests = [Request.prepare(p, salt) for p in prepares]
                     log.add(requests)
                     outs = yield requests
@@ -359,7 +370,6 @@ class Planner:
                     prepared_tokens += _computed(outs)
                     if drafts is not None:
                         drafts.count_prepares(prepares, outs)
-                relinks = missing(links, [_key(p) in hit for p in links])
                 if relinks:
                     requests = [Request.prepare(p, salt) for p in relinks]
                     log.add(requests)
@@ -371,8 +381,14 @@ class Planner:
             final = Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
                             None if inline else logprobs, 0 if last else expected,
                             tq.segments, salt, g.sampling, fill=fill)
-            log.add([final])
-            [out] = yield [final]
+            batch = [*(Request.prepare(p, salt) for p in with_final), final]
+            log.add(batch)
+            *outs, out = yield batch
+            if with_final:
+                prepared += len(with_final)
+                prepared_tokens += _computed(outs)
+                if drafts is not None:
+                    drafts.count_prepares(with_final, outs)
             if not out.short:
                 break
         if out.short and out.finish_reasons and out.finish_reasons[0] == "error":

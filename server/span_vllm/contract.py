@@ -112,6 +112,8 @@ STAT_HELP: dict[str, str] = {
     "unregistered_blocks": "blocks computed over spans in context and kept out of the cache",
     "deferred_hits": "requests put off a step: a hit's KV not computed yet, or no room for "
                      "the copies its hits need",
+    "same_step_copies": "blocks read elsewhere in the step that computes them, copied inside "
+                        "the forward pass instead of waiting a step",
     "refused_hits": "cache hits given up (computed instead) for lack of a free block to copy to",
     "store_hit_blocks": "KV blocks loaded from the span store instead of computed",
     "store_bad_blocks": "span store blocks found missing, truncated, corrupt or foreign "

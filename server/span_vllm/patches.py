@@ -12,7 +12,11 @@ Each patch wraps one vLLM function by name (no fork):
   ``EngineCore.add_request``;
 * ``GPUModelRunner._update_states`` (the CPU runner inherits it) and Model Runner V2's
   ``update_requests`` → apply the rotations after vLLM's block copies, before the forward pass
-  (:mod:`rotation`); both runners' ``initialize_kv_cache`` → check the model can be rotated;
+  (:mod:`rotation`), and stage the step's same-step copies; both runners'
+  ``initialize_kv_cache`` → check the model can be rotated;
+* ``CPUAttentionBackendImpl.do_kv_cache_update`` → after each layer's KV write, fill the copies
+  of blocks this very pass computes (:func:`worker.copy_in_layer`), so a query's prepares and
+  its answer run in one step;
 * ``Scheduler.__init__`` / ``KVCacheManager.__init__`` → refuse unsupported models at start
   (:mod:`support`);
 * ``EngineCore`` gains the utility calls ``span_probe``, ``span_stats`` and ``span_steps``;
@@ -78,6 +82,8 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.v1.core.sched.scheduler", "Scheduler.schedule", ("self",)),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._update_states",
      ("self", "scheduler_output")),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.do_kv_cache_update",
+     ("self", "layer", "key", "value", "kv_cache", "slot_mapping")),
     ("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", ("self", "vllm_config")),
     ("vllm.v1.engine.core", "EngineCore.add_request", ("self", "request")),
     ("vllm.v1.engine.core", "EngineCore.add_lora", ("self", "lora_request")),
@@ -275,6 +281,7 @@ def _patch_scheduler(key: str) -> None:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
             output = original(self, *args, **kwargs)
             tracker = getattr(self.kv_cache_manager, "_span_tracker", None)
+            output.span_copies = tracker.take_copies() if tracker is not None else []
             output.span_rotations = tracker.take_step() if tracker is not None else []
             CLOCK.scheduled(self.requests, output.num_scheduled_tokens)
             return output
@@ -330,8 +337,11 @@ def _tracker(manager: Any) -> PositionTracker:
 
 def _new_tracker(manager: Any) -> PositionTracker:
     """A position tracker for a (checked) KV cache manager."""
+    from vllm.platforms import current_platform
+
     return PositionTracker(manager.coordinator.single_type_managers[0].block_size,
-                           in_place=_float32_cache(manager))
+                           in_place=_float32_cache(manager),
+                           same_step_copies=current_platform.is_cpu())
 
 
 def _float32_cache(manager: Any) -> bool:
@@ -384,17 +394,20 @@ def _patch_worker() -> None:
     """Hook both model runners where vLLM applies its own copy-on-write block copies (after
     them, before the forward pass of the step): V1 ``_update_states`` (its CPU subclass
     inherits it) and Model Runner V2 ``update_requests``. After either runner allocated its KV
-    cache, check that it can be rotated (refuse at start otherwise)."""
+    cache, check that it can be rotated (refuse at start otherwise). The CPU attention's KV
+    write of each layer is followed by the step's same-step copies in that layer."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     def make_step(original: Callable) -> Callable:
         def step(self: Any, scheduler_output: Any) -> Any:
+            from span_vllm.worker import rotation_for, stage_copies
+
             result = original(self, scheduler_output)
             moves = getattr(scheduler_output, "span_rotations", None)
             if moves:
-                from span_vllm.worker import rotation_for
-
                 rotation_for(self).apply(moves)
+            stage_copies(self, getattr(scheduler_output, "span_copies", None) or [])
             return result
 
         return step
@@ -409,8 +422,19 @@ def _patch_worker() -> None:
 
         return initialize_kv_cache
 
+    def make_kv_update(original: Callable) -> Callable:
+        def do_kv_cache_update(self: Any, layer: Any, key: Any, value: Any, kv_cache: Any,
+                               slot_mapping: Any) -> None:
+            from span_vllm.worker import copy_in_layer
+
+            original(self, layer, key, value, kv_cache, slot_mapping)
+            copy_in_layer(kv_cache)
+
+        return do_kv_cache_update
+
     _wrap(GPUModelRunner, "_update_states", make_step)
     _wrap(GPUModelRunner, "initialize_kv_cache", make_init_kv)
+    _wrap(CPUAttentionBackendImpl, "do_kv_cache_update", make_kv_update)
     for owner, name in _v2_targets():
         _wrap(owner, name, make_step if name == "update_requests" else make_init_kv)
 

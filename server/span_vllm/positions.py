@@ -15,15 +15,22 @@ recorded position differs from where the request needs it is either
 Safety rules, checked before vLLM adopts the hits (:meth:`PositionTracker.admit`):
 
 * a hit that needs a move on a block whose KV is not computed yet (allocated earlier in the
-  same scheduler step: vLLM registers blocks when it allocates them) is **deferred** a step —
-  moving it now would copy or rotate memory the forward pass has not written;
+  same scheduler step: vLLM registers blocks when it allocates them) would copy or rotate memory
+  the forward pass has not written before the pass. Where the workers copy *inside* the pass
+  (``same_step_copies``: the CPU attention backend, whose layers write the whole batch's KV
+  before any token attends), it becomes a **same-step copy**: a fresh block that each layer
+  fills from the source block, rotated, right after writing that layer's KV. So an engine's
+  first query computes its spans and answers in one step. Elsewhere the hit is **deferred** a
+  step;
 * the fresh blocks the copies need are **reserved** with the allocation (vLLM's
   ``reserved_blocks``), so a copy never finds the free pool empty. If they do not fit, the
   request waits like any request that does not fit.
 
 The moves of one scheduler step are handed to the workers with that step's output
 (``scheduler_output.span_rotations``: ``[(block_id, delta_positions), ...]``), applied after
-vLLM's own block copies and before the forward pass.
+vLLM's own block copies and before the forward pass; its same-step copies as
+``scheduler_output.span_copies``: ``[(source_id, copy_id, delta_positions), ...]``, applied in
+every layer of the pass.
 """
 
 from __future__ import annotations
@@ -51,9 +58,12 @@ class PositionTracker:
     #: rotate cached blocks in place when nobody else reads them (exact enough in float32);
     #: ``False``: every move is a copy rotated from the block's home position
     in_place: bool = True
+    #: the workers copy blocks computed in this step inside the forward pass (else: defer)
+    same_step_copies: bool = False
     positions: dict[int, int] = field(default_factory=dict)
     _step_rotations: dict[int, int] = field(default_factory=dict)
     _step_start: dict[int, int] = field(default_factory=dict)
+    _step_copies: list[tuple[int, int, int]] = field(default_factory=list)
     #: blocks allocated for computation in the current step (their KV is not written yet)
     _pending: set[int] = field(default_factory=set)
     #: copies reserved at admission and not placed yet
@@ -69,10 +79,11 @@ class PositionTracker:
                 continue
             target = (first_index + offset) * self.block_size
             moves = self.positions.get(block.block_id, target) != target
-            if moves and block.block_id in self._pending:
+            pending = block.block_id in self._pending
+            if moves and pending and not self.same_step_copies:
                 return Admission(defer=True)
             shared = block.ref_cnt > 0 or block.block_id in seen
-            if moves and (shared or not self.in_place):
+            if moves and (shared or pending or not self.in_place):
                 copies += 1
             seen.add(block.block_id)
         return Admission(copies=copies)
@@ -114,7 +125,8 @@ class PositionTracker:
         if current == target:
             return
         original = self._step_start.get(block.block_id, current)
-        if in_place and block.ref_cnt <= 1:
+        computing = block.block_id in self._pending
+        if in_place and block.ref_cnt <= 1 and not computing:
             self._rotate(block.block_id, target - current, original)
             self.positions[block.block_id] = target
         else:
@@ -126,8 +138,11 @@ class PositionTracker:
             self._reserved -= 1
             single._apply_cow(request.request_id, index, block, copy)
             STATS.duplicated_blocks += 1
-            # The copy runs before this step's rotations: it sees the step-start content.
-            self._rotate(copy.block_id, target - original, original)
+            if computing:  # written in this pass: each layer copies it once it is written
+                self._step_copies.append((block.block_id, copy.block_id, target - current))
+                STATS.same_step_copies += 1
+            else:  # the copy runs before this step's rotations: it sees the step-start content
+                self._rotate(copy.block_id, target - original, original)
             self.positions[copy.block_id] = target
         STATS.repositioned_tokens += self.block_size
 
@@ -138,6 +153,12 @@ class PositionTracker:
             self._step_rotations[block_id] = total
         else:
             self._step_rotations.pop(block_id, None)
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """Drain this step's same-step copies as ``[(source_id, copy_id, delta), ...]`` (call
+        before :meth:`take_step`)."""
+        copies, self._step_copies = self._step_copies, []
+        return copies
 
     def take_step(self) -> list[tuple[int, int]]:
         """Drain this step's rotations as ``[(block_id, delta), ...]``; the blocks allocated in

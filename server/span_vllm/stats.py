@@ -15,6 +15,7 @@ class SpanStats:
     duplicated_blocks: int = 0
     unregistered_blocks: int = 0
     deferred_hits: int = 0
+    same_step_copies: int = 0
     refused_hits: int = 0
     store_hit_blocks: int = 0
     store_bad_blocks: int = 0

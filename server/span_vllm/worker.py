@@ -89,6 +89,47 @@ def build_rotation(runner: Any) -> WorkerRotation:
     return rotation
 
 
+@dataclass(frozen=True)
+class StepCopies:
+    """The same-step copies of the step being computed: blocks written in this forward pass
+    and read elsewhere in it (:mod:`span_vllm.positions`), copied in each layer by
+    :func:`copy_in_layer` once that layer's KV is written."""
+
+    rotation: WorkerRotation
+    sources: torch.Tensor
+    copies: torch.Tensor
+    moves: tuple[tuple[int, int], ...]
+
+
+def stage_copies(runner: Any, copies: Sequence[tuple[int, int, int]]) -> None:
+    """Make ``[(source_id, copy_id, delta), ...]`` the copies of the forward pass about to run
+    on ``runner`` (an empty list: none)."""
+    if not copies:
+        _STAGED.clear()
+        return
+    rotation = rotation_for(runner)
+    device = rotation.caches[0].device
+    _STAGED[:] = [StepCopies(
+        rotation,
+        torch.tensor([s for s, _, _ in copies], dtype=torch.long, device=device),
+        torch.tensor([c for _, c, _ in copies], dtype=torch.long, device=device),
+        tuple((c, d) for _, c, d in copies if d),
+    )]
+
+
+def copy_in_layer(kv_cache: torch.Tensor) -> None:
+    """Fill this step's copies in one layer's cache (just written by the forward pass): each
+    copy block gets its source block's keys and values, keys rotated by its delta."""
+    if not _STAGED:
+        return
+    step = _STAGED[0]
+    kv_cache.index_copy_(0, step.copies, kv_cache.index_select(0, step.sources))
+    step.rotation.rotator.apply((kv_cache,), step.rotation.layout, step.moves)
+
+
+_STAGED: list[StepCopies] = []
+
+
 def active_rotation() -> WorkerRotation | None:
     """The rotation of the model runner last checked in this process (the span store's
     loader rotates loaded blocks with it), if any."""

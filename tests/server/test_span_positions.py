@@ -1,5 +1,6 @@
-"""The scheduler-side position tracker on stand-in blocks (no engine): deferral of hits on
-uncomputed blocks, reservation of copies, and copy-from-home for 16-bit caches."""
+"""The scheduler-side position tracker on stand-in blocks (no engine): deferral or same-step
+copies of hits on uncomputed blocks, reservation of copies, and copy-from-home for 16-bit
+caches."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from span_vllm.positions import PositionTracker
+from span_vllm.positions import Admission, PositionTracker
 from span_vllm.rotation import RopeRotator
 
 BS = 4
@@ -85,6 +86,27 @@ def test_a_hit_that_must_move_a_block_computed_this_step_is_deferred() -> None:
     # A hit that needs no move may read a block of this step (vLLM's own rule).
     _allocate(tracker, manager, "again", [_Block(5)], hits=0)
     assert not tracker.admit([_Block(5)], 0).defer
+
+
+def test_where_workers_copy_inside_the_pass_a_hit_on_a_block_of_this_step_is_copied() -> None:
+    """A hit that must move a block computed in this step: a fresh copy, filled by the
+    workers inside the pass (``take_copies``), never rotated before it and never in place
+    (the source is the span's home copy, even when nobody else holds it)."""
+    tracker, manager = PositionTracker(BS, same_step_copies=True), _Manager()
+    span = [_Block(1), _Block(2)]
+    _allocate(tracker, manager, "prepare", span, hits=0)  # computes the span at blocks 0-1
+    wanted = [_Block(9), *span]  # the main request reads it at blocks 1-2
+    assert tracker.admit(wanted, 0) == Admission(copies=2)
+    for block in span:
+        block.ref_cnt = 0  # even unshared: its KV is not written yet
+    assert tracker.admit(wanted, 0) == Admission(copies=2)
+    _allocate(tracker, manager, "main", wanted, hits=3)
+    copies = manager.single.req_to_blocks["main"][1:]
+    assert [b.block_id for b in copies] == [100, 101]
+    assert tracker.take_copies() == [(1, 100, BS), (2, 101, BS)]
+    assert tracker.take_step() == []  # nothing rotated before the pass
+    assert tracker.take_copies() == []
+    assert tracker.positions[100] == BS and tracker.positions[1] == 0
 
 
 def test_copies_are_counted_for_shared_blocks_and_repeats_and_reserved() -> None:

@@ -78,14 +78,14 @@ def _equals_a_fresh_run(engine, result) -> None:
 def test_crop_off_reads_every_draft_token_from_the_cache_but_the_last_block(
         engine, recomputed) -> None:
     """``recompute`` (``crop=False``): no draft token is lost; each draft's last block is
-    computed by a prepare request, in the step of the judge's prefix, from the draft's own
-    cached blocks — so the judge itself reads every draft token from the cache."""
+    computed by a prepare request, in the judge's own step, from the draft's own cached
+    blocks — so the judge itself reads every draft token from the cache."""
     result = recomputed
     _holds_every_draft_token(engine, result)
     m = result.metrics
     drafts = _drafts(result)
     assert m.prepare_requests == 1 + len(drafts)  # the system prefix and each draft's tail
-    assert m.final_steps == 2  # those prepares together, then the judge
+    assert m.final_steps == 1  # those prepares and the judge, in one step
     tails = sum((s.content_tokens - 1) % engine.block_size + 1 for s, _ in drafts)
     assert m.nested_computed_tokens == tails  # the real tokens of each last block, no more
     assert all(d.metrics.fill_tokens == 0 for _, d in drafts)

@@ -11,7 +11,7 @@ from span_vllm import contract
 from span_workflows.compile import SpanPrompt
 from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
 from span_workflows.layout import SpanOptions
-from span_workflows.plan import Probe, Request
+from span_workflows.plan import Probe, Request, StepCount
 
 pytestmark = pytest.mark.engine
 
@@ -55,27 +55,45 @@ def test_tail_after_spans_computed_in_context_is_never_reused(engine) -> None:
     assert proper.text == fresh.text and proper.token_ids == fresh.token_ids
 
 
-def test_a_hit_on_a_span_computed_in_the_same_step_waits_for_its_kv(engine) -> None:
+def test_a_hit_on_a_span_computed_in_the_same_step_is_copied_inside_the_pass(engine) -> None:
     """Prepares and the main request submitted together: the main request's span B must move
-    from where its prepare computes it, so vLLM must not adopt it before it is computed (no
-    link blocks: a linked block is recomputed in place, never adopted from elsewhere)."""
+    from where its prepare computes it, in the step that computes it. On CPU each layer copies
+    it, rotated, right after writing its KV, so the answer comes in that very step, and it is
+    the answer (tokens, first-token log-probabilities, cached tokens) of the prepares run a
+    step before (no link blocks: a linked block is recomputed in place, never adopted)."""
     q = _query([A, B])
     unlinked = SpanOptions(link_blocks=0)
     tq = engine.compile(q, span_options=unlinked)
     weights = engine.weights_of(q).lora  # the weights the planner runs q on
+
+    def requests() -> tuple[list[Request], Request]:
+        prepares = [Request.prepare(p) for p in tq.prepare]
+        for request in prepares:
+            request.weights = weights
+        return prepares, Request(tq.token_ids, 12, 0.0, logprobs=5, segments=tq.segments,
+                                 weights=weights)
+
     engine.reset_cache()
-    deferred = engine.span_stats()["deferred_hits"]
-    prepares = [Request.prepare(p) for p in tq.prepare]
-    for request in prepares:
-        request.weights = weights
-    outs = engine._run(prepares + [Request(tq.token_ids, 12, 0.0, segments=tq.segments,
-                                           weights=weights)])
-    assert engine.span_stats()["deferred_hits"] > deferred
-    together = outs[-1]
+    prepares, final = requests()
+    engine._run(prepares)
+    [apart] = engine._run([final])
+    engine.reset_cache()
+    before = engine.span_stats()
+    prepares, final = requests()
+    together = engine._run([*prepares, final])[-1]
+    after = engine.span_stats()
+    assert after["same_step_copies"] > before["same_step_copies"]
+    assert after["deferred_hits"] == before["deferred_hits"]
+    [[to_first_token, _]] = engine._steps(StepCount([final.tag]))
+    assert to_first_token == 1  # answered in the step that computed the spans
+    assert together.token_ids == apart.token_ids
+    assert together.cached_tokens == apart.cached_tokens == tq.spans[-1].offset
+    for token, logprob in apart.first_logprobs.items():
+        assert together.first_logprobs[token] == pytest.approx(logprob, abs=1e-4)
     engine.reset_cache()
     fresh = engine.execute(q, span_options=unlinked)
-    assert together.token_ids[0] == fresh.token_ids
-    assert together.cached_tokens == fresh.metrics.cached_tokens
+    assert fresh.token_ids == apart.token_ids[0]
+    assert fresh.metrics.engine_steps == 1 and fresh.metrics.prepare_requests > 0
 
 
 def test_cache_salt_separates_tenants_spans(engine) -> None:
