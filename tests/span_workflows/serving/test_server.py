@@ -95,6 +95,25 @@ def test_a_new_combination_waits_one_engine_step_per_link_stage_over_http(
     assert again["metrics"]["engine_steps"] == 1
 
 
+def test_a_cold_query_prepares_and_answers_in_one_engine_step_over_http(
+        http: httpx.Client) -> None:
+    """The server submits a cold query's prepares with its answer (the requests run
+    concurrently there): the engine computes every span and answers in one step, as it does
+    once they are cached."""
+    docs = [f"Harbour log {i}: the ferry Osterlind left pier {i} at {i + 6} o'clock, "
+            f"carrying {i * 40 + 12} passengers and a crate of lemons. " * 2 for i in range(3)]
+
+    def run() -> dict:
+        return _execute(http, {"query": _rag(docs), "span_options": {"link_blocks": 0}})
+
+    cold, warm = run(), run()
+    assert cold["metrics"]["prepare_requests"] == len(docs)
+    assert warm["metrics"]["prepare_requests"] == 0
+    assert cold["metrics"]["engine_steps"] == warm["metrics"]["engine_steps"] == 1
+    assert cold["metrics"]["cached_tokens"] == warm["metrics"]["cached_tokens"] > 0
+    assert cold["text"] == warm["text"]
+
+
 def test_stream_matches_non_stream(http: httpx.Client) -> None:
     query = _rag(DOCS[1:] + DOCS[:1])
     plain = _execute(http, {"query": query})
