@@ -343,6 +343,14 @@ class Planner:
         expected = _expected_hits(tq) if span_mode else 0
         prepared = relinked = prepared_tokens = 0
         log = _StageLog()
+
+        def count_prepares(prompts: Sequence[SpanPrompt], outs: Sequence[Output]) -> None:
+            nonlocal prepared, prepared_tokens
+            prepared += len(prompts)
+            prepared_tokens += _computed(outs)
+            if drafts is not None:
+                drafts.count_prepares(prompts, outs)
+
         for attempt in range(MAX_ATTEMPTS):
             everything = [*tq.prepare, *tq.links] if span_mode else []
             hit: set[tuple] = set()
@@ -365,11 +373,7 @@ class Planner:
                 elif prepares:
                     requests = [Request.prepare(p, salt) for p in prepares]
                     log.add(requests)
-                    outs = yield requests
-                    prepared += len(prepares)
-                    prepared_tokens += _computed(outs)
-                    if drafts is not None:
-                        drafts.count_prepares(prepares, outs)
+                    count_prepares(prepares, (yield requests))
                 if relinks:
                     requests = [Request.prepare(p, salt) for p in relinks]
                     log.add(requests)
@@ -384,11 +388,7 @@ class Planner:
             batch = [*(Request.prepare(p, salt) for p in with_final), final]
             log.add(batch)
             *outs, out = yield batch
-            if with_final:
-                prepared += len(with_final)
-                prepared_tokens += _computed(outs)
-                if drafts is not None:
-                    drafts.count_prepares(with_final, outs)
+            count_prepares(with_final, outs)
             if not out.short:
                 break
         if out.short and out.finish_reasons and out.finish_reasons[0] == "error":

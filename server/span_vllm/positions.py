@@ -155,8 +155,7 @@ class PositionTracker:
             self._step_rotations.pop(block_id, None)
 
     def take_copies(self) -> list[tuple[int, int, int]]:
-        """Drain this step's same-step copies as ``[(source_id, copy_id, delta), ...]`` (call
-        before :meth:`take_step`)."""
+        """Drain this step's same-step copies as ``[(source_id, copy_id, delta), ...]``."""
         copies, self._step_copies = self._step_copies, []
         return copies
 
