@@ -196,6 +196,23 @@ class RopeRotator:
         x1.mul_(cos).addcmul_(x2, sin, value=-1.0)
         x2.mul_(cos).addcmul_(first, sin)
 
+    def copy_rotated(self, cache: torch.Tensor, layout: KeyLayout, sources: torch.Tensor,
+                     copies: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Copy whole blocks ``sources`` of one layer's float ``cache`` onto ``copies``, the
+        keys of copy ``i`` rotated by the angles of ``cos[i]``/``sin[i]`` (``[n, rotary_dim //
+        2]`` in float32 or float64; a zero angle copies exactly): one gather, one rotation in
+        the gathered blocks, one scatter. For layouts whose :meth:`KeyLayout.keys` views any
+        stack of whole blocks (the CPU layout)."""
+        blocks = cache.index_select(0, sources)
+        keys = layout.keys(blocks)
+        if keys.dtype == cos.dtype:
+            self.rotate_in_place(keys, cos, sin, axis=layout.head_dim_axis)
+        else:
+            exact = keys.to(cos.dtype)
+            self.rotate_in_place(exact, cos, sin, axis=layout.head_dim_axis)
+            keys.copy_(exact)
+        cache.index_copy_(0, copies, blocks)
+
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """``keys``: ``[n, heads, tokens, head_dim]``; ``deltas``: ``[n]`` positions.
         Returns rotated keys (a new tensor, computed in float32 unless keys are float64)."""

@@ -93,12 +93,14 @@ def build_rotation(runner: Any) -> WorkerRotation:
 class StepCopies:
     """The same-step copies of the step being computed: blocks written in this forward pass
     and read elsewhere in it (:mod:`span_vllm.positions`), copied in each layer by
-    :func:`copy_in_layer` once that layer's KV is written."""
+    :func:`copy_in_layer` once that layer's KV is written. The block ids and the rotation's
+    cos/sin are made once per step, in :func:`stage_copies`."""
 
     rotation: WorkerRotation
     sources: torch.Tensor
     copies: torch.Tensor
-    moves: tuple[tuple[int, int], ...]
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 def stage_copies(runner: Any, copies: Sequence[tuple[int, int, int]]) -> None:
@@ -109,11 +111,14 @@ def stage_copies(runner: Any, copies: Sequence[tuple[int, int, int]]) -> None:
         return
     rotation = rotation_for(runner)
     device = rotation.caches[0].device
+    compute = torch.float64 if rotation.caches[0].dtype == torch.float64 else torch.float32
+    deltas = torch.tensor([d for _, _, d in copies], dtype=torch.float64)
+    cos, sin = rotation.rotator.cos_sin(deltas, compute, device)
     _STAGED[:] = [StepCopies(
         rotation,
         torch.tensor([s for s, _, _ in copies], dtype=torch.long, device=device),
         torch.tensor([c for _, c, _ in copies], dtype=torch.long, device=device),
-        tuple((c, d) for _, c, d in copies if d),
+        cos, sin,
     )]
 
 
@@ -123,8 +128,8 @@ def copy_in_layer(kv_cache: torch.Tensor) -> None:
     if not _STAGED:
         return
     step = _STAGED[0]
-    kv_cache.index_copy_(0, step.copies, kv_cache.index_select(0, step.sources))
-    step.rotation.rotator.apply((kv_cache,), step.rotation.layout, step.moves)
+    step.rotation.rotator.copy_rotated(kv_cache, step.rotation.layout, step.sources,
+                                       step.copies, step.cos, step.sin)
 
 
 _STAGED: list[StepCopies] = []

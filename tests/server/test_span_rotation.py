@@ -138,17 +138,19 @@ def test_quantized_bytes_are_never_rotated_as_numbers() -> None:
         rotator.apply([cache], layout, [(1, 5)])
 
 
-def test_a_same_step_copy_is_the_source_block_moved_and_leaves_the_rest_alone() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_same_step_copy_is_the_source_block_moved_and_leaves_the_rest_alone(dtype) -> None:
     """:func:`span_vllm.worker.copy_in_layer` on a CPU-layout cache: the copy block holds the
-    source's values and its keys rotated by the delta; the source and every other block are
-    unchanged; with nothing staged it does nothing."""
+    source's values and its keys rotated by the delta (computed in float32, as
+    :meth:`RopeRotator.apply` rotates); the source and every other block are unchanged; with
+    nothing staged it does nothing."""
     from types import SimpleNamespace
 
     from span_vllm import worker
 
     torch.manual_seed(0)
     layout, rotator = CpuKeyLayout(D), RopeRotator.from_base(10000.0, D)
-    cache = torch.randn(8, HEADS, BS, 2 * D)
+    cache = torch.randn(8, HEADS, BS, 2 * D).to(dtype)
     rotation = worker.WorkerRotation(rotator, layout, (cache,), None, None, "CPU_ATTN")
     runner = SimpleNamespace(_span_rotation=rotation)
     before = cache.clone()
@@ -159,7 +161,10 @@ def test_a_same_step_copy_is_the_source_block_moved_and_leaves_the_rest_alone() 
     old_values = before.view(8, HEADS, 2, D * BS)[:, :, 1]
     assert torch.equal(values[5], old_values[1]) and torch.equal(values[6], old_values[2])
     moved = rotator.rotate(layout.gather(before, torch.tensor([1])), torch.tensor([3.0 * BS]))
-    assert torch.allclose(layout.gather(cache, torch.tensor([5])), moved, atol=1e-5)
+    assert torch.equal(layout.gather(cache, torch.tensor([5])), moved)
+    applied = before.clone()
+    rotator.apply([applied], layout, [(1, 3 * BS)])
+    assert torch.equal(cache[5], applied[1])  # what a rotation in place gives, bit for bit
     assert torch.equal(cache[6], before[2])  # delta 0: a plain copy
     untouched = [0, 1, 2, 3, 4, 7]
     assert torch.equal(cache[untouched], before[untouched])
