@@ -32,6 +32,7 @@ from typing import Any
 import span_vllm
 from span_vllm import contract
 from span_workflows import bulk, engine_lifetime
+from span_workflows.chunking import BlockChunker
 from span_workflows.compile import (
     Compiler,
     NestedOutput,
@@ -304,6 +305,15 @@ class Engine:
             node, placeholders, span_mode=span_mode, max_model_len=self.max_model_len,
             options=options,
         )
+
+    def chunker(self, blocks: int = 4) -> BlockChunker:
+        """A :class:`~span_workflows.chunking.BlockChunker` for this engine's tokenizer,
+        template and block size: passages of at most ``blocks`` blocks that end near a block
+        boundary, so span queries over them compute almost no padding."""
+        span = self.router.span_adapter
+        options = (self.router.options(Route(span.name, span), self.span_options)
+                   if span is not None else self.span_options)
+        return BlockChunker.for_compiler(self.compiler, blocks, options)
 
     def span_stats(self) -> dict[str, int]:
         """Counters of the span cache: hit/miss blocks, repositioned tokens, copies (the
