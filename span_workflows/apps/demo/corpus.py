@@ -2,8 +2,9 @@
 
 The corpus needs no download: it is the docstrings of a fixed list of well-known Python
 standard-library modules and of their public functions, classes and class methods, chunked into
-passages of roughly 60–120 words (:func:`stdlib_passages`); :func:`stdlib_index` searches them
-with a :class:`~span_workflows.retrieval.VectorIndex`.
+passages of roughly 60–120 words (:func:`stdlib_passages`), or, for the demo, cut to an engine's
+KV blocks (:func:`block_documents`); :func:`stdlib_index` searches them with a
+:class:`~span_workflows.retrieval.VectorIndex`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from span_workflows.chunking import BlockChunker
 from span_workflows.retrieval import Passage, VectorIndex
 
 #: Words per passage: every passage has at most ``MAX_WORDS``; all but possibly the last
@@ -110,12 +112,16 @@ def _words(items: list[tuple[str, str]]) -> int:
 
 
 def _packed(items: list[tuple[str, str]], group: str) -> Passage:
-    if len(items) == 1:
-        return Passage(items[0][1], items[0][0])
+    return Passage(" ".join(text for _, text in items), _label([s for s, _ in items], group))
+
+
+def _label(sources: list[str], group: str) -> str:
+    """One source as it is; several as ``"group: a, b"`` (names without the group prefix)."""
+    if len(sources) == 1:
+        return sources[0]
     prefix = group + "."
-    names = [s[len(prefix):] if group and s.startswith(prefix) else s for s, _ in items]
-    label = f"{group}: {', '.join(names)}" if group else ", ".join(names)
-    return Passage(" ".join(text for _, text in items), label)
+    names = [s[len(prefix):] if group and s.startswith(prefix) else s for s in sources]
+    return f"{group}: {', '.join(names)}" if group else ", ".join(names)
 
 
 def module_documents(name: str) -> list[tuple[str, str]]:
@@ -204,19 +210,48 @@ def _signature(obj: Any) -> str:
     return sig
 
 
-def stdlib_passages(modules: Sequence[str] = STDLIB_MODULES) -> list[Passage]:
-    """The built-in corpus: the modules' docstrings chunked into passages, in a fixed order."""
+def block_documents(
+    docs: Iterable[tuple[str, str]], chunker: BlockChunker, *, group: str = ""
+) -> list[Passage]:
+    """Chunk ``(source, text)`` documents of one group into passages sized to KV blocks.
+
+    The documents' words are read as one stream, in order, and cut into the longest runs
+    that fit ``chunker``'s blocks (:meth:`~span_workflows.chunking.BlockChunker.windows`), so
+    every passage but the group's last ends within a word of a block boundary. A passage's
+    source is its document's, or ``"group: a, b"`` when it holds words of several.
+    """
+    words: list[str] = []
+    sources: list[str] = []
+    for source, text in docs:
+        doc_words = text.split()
+        words.extend(doc_words)
+        sources.extend([source] * len(doc_words))
+    passages, at = [], 0
+    for window in chunker.windows(words):
+        covered = list(dict.fromkeys(sources[at:at + len(window)]))
+        passages.append(Passage(" ".join(window), _label(covered, group)))
+        at += len(window)
+    return passages
+
+
+def stdlib_passages(modules: Sequence[str] = STDLIB_MODULES,
+                    chunker: BlockChunker | None = None) -> list[Passage]:
+    """The built-in corpus: the modules' docstrings chunked into passages, in a fixed order:
+    by words (:func:`chunk_documents`), or to ``chunker``'s blocks (:func:`block_documents`)."""
     passages: list[Passage] = []
     for name in modules:
-        passages.extend(chunk_documents(module_documents(name), group=name))
+        docs = module_documents(name)
+        passages.extend(chunk_documents(docs, group=name) if chunker is None
+                        else block_documents(docs, chunker, group=name))
     return passages
 
 
 # -- the index -----------------------------------------------------------------------------------
-def stdlib_index(*, progress: bool = True) -> VectorIndex:
-    """The vector index over the built-in corpus (:func:`stdlib_passages`), built once and
-    cached on disk."""
-    return VectorIndex(stdlib_passages(), progress=progress, desc="embedding stdlib docs")
+def stdlib_index(*, progress: bool = True, chunker: BlockChunker | None = None) -> VectorIndex:
+    """The vector index over the built-in corpus (:func:`stdlib_passages`, chunked by
+    ``chunker`` when given), built once and cached on disk."""
+    return VectorIndex(stdlib_passages(chunker=chunker), progress=progress,
+                       desc="embedding stdlib docs")
 
 
 #: Modules whose documentation makes the benchmarks' filler documents.
@@ -248,6 +283,6 @@ def documents(tokenizer: Any, count: int, doc_tokens: int) -> list[str]:
 
 
 __all__ = [
-    "MAX_WORDS", "MIN_WORDS", "STDLIB_MODULES", "chunk_documents", "chunk_words", "documents",
-    "module_documents", "stdlib_index", "stdlib_passages", "word_count",
+    "MAX_WORDS", "MIN_WORDS", "STDLIB_MODULES", "block_documents", "chunk_documents",
+    "chunk_words", "documents", "module_documents", "stdlib_index", "stdlib_passages", "word_count",
 ]

@@ -8,11 +8,14 @@ from span_workflows.apps.demo.corpus import (
     MAX_WORDS,
     MIN_WORDS,
     STDLIB_MODULES,
+    block_documents,
     chunk_documents,
     chunk_words,
     stdlib_passages,
     word_count,
 )
+from span_workflows.chunking import BlockChunker
+from span_workflows.compile import Compiler
 from span_workflows.retrieval import Passage
 
 
@@ -99,3 +102,30 @@ def test_stdlib_sources(corpus):
     modules = {m for m in STDLIB_MODULES if any(p.source.startswith(m) for p in corpus)}
     assert len(modules) >= 55
     assert not any(" at 0x" in p.text for p in corpus)
+
+
+# -- passages sized to KV blocks -----------------------------------------------------------------
+def test_block_documents_keep_every_word_in_order_and_name_their_sources():
+    chunker = BlockChunker(lambda text: text.split(), overhead=2, block_size=4, blocks=3)
+    docs = [("m.a", _words(4, "a")), ("m.b", _words(25, "b")), ("m.c", "c0")]
+    out = block_documents(docs, chunker, group="m")
+    assert " ".join(p.text for p in out) == " ".join(text for _, text in docs)
+    assert all(len(p.text.split()) == 10 for p in out[:-1])  # 12-token blocks, 2 of template
+    assert out[0].source == "m: a, b"
+    assert out[1].source == "m.b"
+    assert out[-1].source == "m: b, c"
+
+
+def test_stdlib_passages_to_blocks_pad_a_fraction_of_word_chunks(tokenizer):
+    """The demo's index: passages cut to 5 blocks of 32 tokens pad about 3 tokens each where
+    the word chunks pad half a block; same text, about as many passages."""
+    chunker = BlockChunker.for_compiler(Compiler.for_tokenizer(tokenizer, 32), blocks=5)
+    blocks, corpus = stdlib_passages(chunker=chunker), stdlib_passages()
+    assert stdlib_passages(chunker=chunker) == blocks
+    mean = lambda ps: sum(chunker.padding(p.text) for p in ps) / len(ps)  # noqa: E731
+    assert mean(blocks) < 4 < 12 < mean(corpus)
+    assert 0.8 < len(blocks) / len(corpus) < 1.25
+    assert all(chunker.span_tokens(p.text) <= chunker.limit for p in blocks)
+    assert sum(map(word_count, (p.text for p in blocks))) == sum(
+        map(word_count, (p.text for p in corpus)))
+    assert {"json", "csv: field_size_limit, reader, writer"} <= {p.source for p in blocks}

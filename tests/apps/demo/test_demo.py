@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from span_workflows.apps.demo.corpus import chunk_documents, module_documents
-from span_workflows.apps.demo.run import DEFAULT_QUESTIONS, run_demo
+from span_workflows.apps.demo.corpus import block_documents, module_documents
+from span_workflows.apps.demo.run import DEFAULT_QUESTIONS, PASSAGE_BLOCKS, run_demo
 from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 from span_workflows.retrieval import VectorIndex
 
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.engine
 
 
 def test_run_demo_one_question(engine):
-    passages = chunk_documents(module_documents("csv"), group="csv")
+    chunker = engine.chunker(PASSAGE_BLOCKS)
+    passages = block_documents(module_documents("csv"), chunker, group="csv")
     index = VectorIndex([*passages], progress=False)
     lines: list[str] = []
     question = DEFAULT_QUESTIONS[1]
@@ -30,7 +31,11 @@ def test_run_demo_one_question(engine):
         assert row["span_prompt_tokens"] > 0 and row["stock_prompt_tokens"] > 0
         assert row["span_ttft_s"] > 0 and row["stock_ttft_s"] > 0
     assert again["sources"] == list(reversed(first["sources"]))
-    assert "csv.reader" in first["sources"]
+    assert any("reader" in source for source in first["sources"])
+    # The first retrieval: every passage a miss, yet no more tokens computed than stock
+    # (passages end near a block boundary; the system prompt was seen by the warm-up).
+    assert first["span"]["prepare_requests"] > 0
+    assert 0 < first["span_computed_tokens"] <= first["stock_computed_tokens"]
     # Position-independent reuse: the reordered span run finds the documents in the cache.
     assert again["span_cached_tokens"] > 0
     assert again["span_cached_tokens"] >= again["stock_cached_tokens"]
