@@ -46,7 +46,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "plan": ("plan", "result", "fragments", "routing", "keys"),
     "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty", "normalize",
                             "optimize", "locality", "compile", "render", "layout",
-                            "tool_prompt", "lint", "lint_rules"),
+                            "tool_prompt", "lint", "lint_rules", "chunking"),
     "ground": ("ir", "errors", "model", "retrieval", "sampling", "logprobs", "build_info"),
 }
 

@@ -43,7 +43,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 NEEDS_BACKEND = (
     "Engine(", "SpanServer(", "default_engine(", "serve(", ".execute(", ".execute_bulk(",
     ".invoke(", ".stream(", ".query(", "OpenAI(", "ChatOpenAI(", "OpenAILike(",
-    "SpanChatModel(", "SpanLLM(", "SpanRetriever(", "FunctionAgent(", "create_react_agent(",
+    "SpanChatModel(", "SpanLLM(", "SpanRetriever(", "SpanTextSplitter(", "FunctionAgent(",
+    "create_react_agent(",
     "run_bulk_on_ray(", "httpx.", "requests.",
 )
 #: The first line of a block that is a fragment on purpose (compiled, not run).
