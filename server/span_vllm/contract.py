@@ -72,6 +72,9 @@ LORA_MERGE_ENV = "SPAN_VLLM_LORA_MERGE_MIB"
 #: ``mp`` keeps vLLM's CPU executor for a one-worker engine core (a worker process of its
 #: own); unset or ``uni``, the worker runs in the engine-core process (one process fewer).
 CPU_EXECUTOR_ENV = "SPAN_VLLM_CPU_EXECUTOR"
+#: ``0`` keeps glibc's adaptive malloc thresholds in CPU engine processes (by default the
+#: plugin fixes them, so prefill activations reuse the heap: :mod:`span_vllm.cpu_memory`).
+CPU_MALLOC_ENV = "SPAN_VLLM_CPU_MALLOC"
 #: ``SamplingParams.extra_args`` key of a request's span layout.
 LAYOUT_KEY = "span_layout"
 
@@ -217,7 +220,8 @@ def tag_args(tag: str) -> dict[str, object]:
 
 __all__ = [
     "ALIGN_KEY", "ALIGN_PROCESSOR", "ANCHORED", "BIAS_DEFAULTS", "DEFAULT_KV_CACHE_GIB",
-    "CPU_EXECUTOR_ENV", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV", "LAYOUT_KEY",
+    "CPU_EXECUTOR_ENV", "CPU_MALLOC_ENV", "ENABLE_ENV", "ISOLATED", "KEY_ENV", "KV_CACHE_ENV",
+    "LAYOUT_KEY",
     "LOGITS_PROCESSORS",
     "LORA_MERGE_ENV",
     "ORDERED", "PROBE_CALL", "SEGMENT_KINDS", "START_LOG_ENV", "STATS_CALL", "STAT_HELP",

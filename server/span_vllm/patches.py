@@ -24,6 +24,9 @@ Each patch wraps one vLLM function by name (no fork):
 * ``CpuPlatform.check_and_update_config`` → a one-worker engine core on CPU keeps its worker
   in its own process (:func:`_patch_cpu_executor`).
 
+Not a patch of vLLM: on CPU, glibc's malloc thresholds are fixed in the engine process, so
+each step's activations reuse the heap (:mod:`cpu_memory`).
+
 Blocks computed under a LoRA adapter are keyed by the adapter's content
 (:func:`hashing.request_extra_keys`), not by vLLM's ``(name, path)``.
 """
@@ -143,7 +146,19 @@ def apply() -> None:
         _patch_engine_core()
         _patch_lora()
         _patch_cpu_executor()
+        _keep_cpu_activation_memory()
         _applied = True
+
+
+def _keep_cpu_activation_memory() -> None:
+    """On CPU, fixed malloc thresholds: each step's activations reuse the heap instead of
+    fresh pages (:mod:`span_vllm.cpu_memory`)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from span_vllm.cpu_memory import keep_activation_memory
+
+        keep_activation_memory()
 
 
 def _patch_cpu_executor() -> None:
