@@ -140,6 +140,11 @@ class Fp8Keys:
         return float(torch.finfo(self.fp8_dtype).max)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype keys of ``dtype`` are rotated in: float64 stays, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass
 class RopeRotator:
     """Rotates keys by whole-position deltas for one RoPE configuration.
@@ -216,7 +221,7 @@ class RopeRotator:
     def rotate(self, keys: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         """``keys``: ``[n, heads, tokens, head_dim]``; ``deltas``: ``[n]`` positions.
         Returns rotated keys (a new tensor, computed in float32 unless keys are float64)."""
-        compute = torch.float64 if keys.dtype == torch.float64 else torch.float32
+        compute = compute_dtype(keys.dtype)
         out = keys.to(compute, copy=True)
         cos, sin = self.cos_sin(deltas, compute, keys.device)
         self.rotate_in_place(out, cos, sin, axis=-1)
@@ -278,7 +283,7 @@ class RopeRotator:
         views = [layout.keys(cache) for cache in caches]
         first = views[0]
         device = first.device
-        compute = torch.float64 if first.dtype == torch.float64 else torch.float32
+        compute = compute_dtype(first.dtype)
         ids = torch.tensor(block_ids, dtype=torch.long, device=device)
         cos, sin = self.cos_sin(deltas, compute, device)
         block_shape = tuple(first.shape[1:])

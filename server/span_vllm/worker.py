@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from span_vllm.rope import RopeSpec, UnsupportedRopeError, model_rope
-from span_vllm.rotation import CpuKeyLayout, Fp8Keys, KeyLayout, PagedKeyLayout, RopeRotator
+from span_vllm.rotation import (
+    CpuKeyLayout,
+    Fp8Keys,
+    KeyLayout,
+    PagedKeyLayout,
+    RopeRotator,
+    compute_dtype,
+)
 from span_vllm.support import kv_cache_problems, refuse
 
 #: Attention backends whose KV layout the rotator is verified against, by device type.
@@ -111,9 +118,8 @@ def stage_copies(runner: Any, copies: Sequence[tuple[int, int, int]]) -> None:
         return
     rotation = rotation_for(runner)
     device = rotation.caches[0].device
-    compute = torch.float64 if rotation.caches[0].dtype == torch.float64 else torch.float32
     deltas = torch.tensor([d for _, _, d in copies], dtype=torch.float64)
-    cos, sin = rotation.rotator.cos_sin(deltas, compute, device)
+    cos, sin = rotation.rotator.cos_sin(deltas, compute_dtype(rotation.caches[0].dtype), device)
     _STAGED[:] = [StepCopies(
         rotation,
         torch.tensor([s for s, _, _ in copies], dtype=torch.long, device=device),
