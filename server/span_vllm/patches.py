@@ -414,10 +414,10 @@ def _patch_worker() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from span_vllm.worker import build_rotation, copy_in_layer, rotation_for, stage_copies
+
     def make_step(original: Callable) -> Callable:
         def step(self: Any, scheduler_output: Any) -> Any:
-            from span_vllm.worker import rotation_for, stage_copies
-
             result = original(self, scheduler_output)
             moves = getattr(scheduler_output, "span_rotations", None)
             if moves:
@@ -430,8 +430,6 @@ def _patch_worker() -> None:
     def make_init_kv(original: Callable) -> Callable:
         def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = original(self, *args, **kwargs)
-            from span_vllm.worker import build_rotation
-
             self._span_rotation = build_rotation(self)  # refuses an unsupported model
             return result
 
@@ -440,8 +438,6 @@ def _patch_worker() -> None:
     def make_kv_update(original: Callable) -> Callable:
         def do_kv_cache_update(self: Any, layer: Any, key: Any, value: Any, kv_cache: Any,
                                slot_mapping: Any) -> None:
-            from span_vllm.worker import copy_in_layer
-
             original(self, layer, key, value, kv_cache, slot_mapping)
             copy_in_layer(kv_cache)
 
