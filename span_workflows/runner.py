@@ -74,6 +74,12 @@ def index_spans(texts: Sequence[str], system: str, *, engine: Any = None,
                            system, batch_size=batch_size, progress=progress)
 
 
+def block_chunker(engine: Any = None, blocks: int = 4) -> Any:
+    """What the splitters cut text with: ``engine``'s (default: :func:`default_engine`)
+    :meth:`~span_workflows.engine.Engine.chunker` of at most ``blocks`` KV blocks."""
+    return (engine if engine is not None else default_engine()).chunker(blocks)
+
+
 def set_default_engine(engine: Any) -> None:
     """Make ``engine`` the one :func:`default_engine` returns (e.g. an engine you built)."""
     global _default_engine
@@ -172,5 +178,5 @@ class QueryRunner:
         return {k: v for k, v in options.items() if v is not None}
 
 
-__all__ = ["SPAN_STORE_ENV", "Chunk", "QueryRunner", "default_engine", "index_spans",
-           "set_default_engine"]
+__all__ = ["SPAN_STORE_ENV", "Chunk", "QueryRunner", "block_chunker", "default_engine",
+           "index_spans", "set_default_engine"]

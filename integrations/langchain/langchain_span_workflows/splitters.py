@@ -17,6 +17,7 @@ from typing import Any
 from langchain_core.documents import BaseDocumentTransformer, Document
 
 from span_workflows.chunking import BlockChunker
+from span_workflows.runner import block_chunker
 
 
 class SpanTextSplitter(BaseDocumentTransformer):
@@ -30,11 +31,7 @@ class SpanTextSplitter(BaseDocumentTransformer):
     def __init__(self, engine: Any = None, *, blocks: int = 4,
                  chunker: BlockChunker | None = None) -> None:
         if chunker is None:
-            if engine is None:
-                from span_workflows.runner import default_engine
-
-                engine = default_engine()
-            chunker = engine.chunker(blocks)
+            chunker = block_chunker(engine, blocks)
         self.chunker = chunker
 
     def split_text(self, text: str) -> list[str]:

@@ -15,6 +15,7 @@ from llama_index.core.node_parser.interface import TextSplitter
 from pydantic import Field, PrivateAttr
 
 from span_workflows.chunking import BlockChunker
+from span_workflows.runner import block_chunker
 
 
 class SpanTextSplitter(TextSplitter):
@@ -28,11 +29,7 @@ class SpanTextSplitter(TextSplitter):
     def __init__(self, engine: Any = None, *, blocks: int = 4,
                  chunker: BlockChunker | None = None, **kwargs: Any) -> None:
         if chunker is None:
-            if engine is None:
-                from span_workflows.runner import default_engine
-
-                engine = default_engine()
-            chunker = engine.chunker(blocks)
+            chunker = block_chunker(engine, blocks)
         super().__init__(blocks=chunker.blocks, **kwargs)
         self._chunker = chunker
 
