@@ -75,17 +75,23 @@ test-vllm: $(STAMP)
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# The bundled span-ready adapter, trained from scratch by the default recipe (hours on a CPU:
-# run it again after an interruption and it resumes; TUNE_ARGS="--device cuda" on a GPU), then
-# installed where the package ships it, its training log with it. Nothing is installed unless
-# the run finished.
-ADAPTER_RUN ?= build/adapter-run
+# The bundled span-ready adapter, trained by the default recipe (hours on a CPU). The run lives
+# in training/adapter-run, which is committed while the run is unfinished: make adapter on any
+# machine resumes it from there. TUNE_HOURS=2 stops a segment after about two hours (SIGTERM or
+# Ctrl-C stops it at the next optimizer step); either way a checkpoint is written and the
+# adapter's dev-set score is added to the learning curve in training_log.json. TUNE_ARGS="--device
+# cuda" on a GPU. Once the run has finished, its adapter replaces the shipped one (its training
+# log with it) and training/adapter-run leaves the tree; nothing is installed before that.
+ADAPTER_RUN ?= training/adapter-run
 SPAN_ADAPTER := span_workflows/adapters/smollm2-135m-instruct-span
 adapter: $(STAMP)
-	$(VENV)/bin/span-workflows tune --recipe default --out $(ADAPTER_RUN) $(TUNE_ARGS)
-	test -f $(ADAPTER_RUN)/adapter/adapter_model.safetensors
-	rm -rf $(SPAN_ADAPTER).new && cp -r $(ADAPTER_RUN)/adapter $(SPAN_ADAPTER).new
-	rm -rf $(SPAN_ADAPTER) && mv $(SPAN_ADAPTER).new $(SPAN_ADAPTER)
+	$(VENV)/bin/span-workflows tune --recipe default --out $(ADAPTER_RUN) \
+		$(if $(TUNE_HOURS),--hours $(TUNE_HOURS)) $(TUNE_ARGS)
+	@if test -f $(ADAPTER_RUN)/adapter/adapter_model.safetensors; then \
+		rm -rf $(SPAN_ADAPTER).new && cp -r $(ADAPTER_RUN)/adapter $(SPAN_ADAPTER).new && \
+		rm -rf $(SPAN_ADAPTER) && mv $(SPAN_ADAPTER).new $(SPAN_ADAPTER) && \
+		rm -rf $(ADAPTER_RUN) && echo "installed $(SPAN_ADAPTER); $(ADAPTER_RUN) removed"; \
+	else echo "the run is not finished: commit $(ADAPTER_RUN) and run make adapter again"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check span_workflows server integrations tests

@@ -220,6 +220,8 @@ class Example:
     question: str
     answer: str
     needs: int = 1
+    #: a file name per document (for layouts with a source header above each)
+    titles: tuple[str, ...] = ()
 
 
 def _cap(text: str) -> str:
@@ -360,42 +362,30 @@ def make_examples(count: int, seed: int = 0, *, doc_tokens: tuple[int, int] = (6
             target = rng.choice(facts)
             question, answer, needs = _question(target, what, rng), _answer(target, what,
                                                                              rng), 1
+        titles = [f"{f.name.lower()}-{f.kind}.txt" for f in facts]
         examples.append(Example(rng.choice(SYSTEM_PROMPTS),
-                                tuple(docs[i] for i in order), question, answer, needs))
+                                tuple(docs[i] for i in order), question, answer, needs,
+                                tuple(titles[i] for i in order)))
     return examples
 
 
-def plain_passages(count: int, seed: int = 0, words: int = 160) -> list[str]:
-    """``count`` passages of plain English prose of about ``words`` words, for a language-
-    modelling loss that keeps the model's general text ability: paragraphs of the long
-    descriptions of the installed Python distributions (never the standard library's
-    documentation, which is the held-out text of the perplexity check), prose only."""
-    import importlib.metadata as metadata
+def plain_passages(count: int, seed: int = 0) -> list[str]:
+    """``count`` passages of plain English prose of about 160 words each (at most as many as
+    there are), for a language-modelling loss that keeps the model's general text ability.
 
-    paragraphs: list[str] = []
-    names = sorted({d.metadata["Name"] or "" for d in metadata.distributions()} - {""})
-    for name in names:
-        try:
-            body = metadata.metadata(name).get_payload() or ""  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - a distribution without readable metadata
-            continue
-        for para in body.split("\n\n"):
-            text = " ".join(para.split())
-            letters = sum(c.isalpha() or c == " " for c in text)
-            if len(text) > 200 and letters / len(text) > 0.92 and text[0].isupper():
-                paragraphs.append(text)
-    rng = random.Random(seed)
-    rng.shuffle(paragraphs)
-    passages: list[str] = []
-    current: list[str] = []
-    for para in paragraphs:
-        current.append(para)
-        if sum(len(p.split()) for p in current) >= words:
-            passages.append(" ".join(" ".join(current).split()[:words]))
-            current = []
-            if len(passages) == count:
-                break
-    return passages
+    They come from ``plain_text.json`` beside this module: paragraphs of the long descriptions
+    of Python distributions (each passage names its source), prose only, never the standard
+    library's documentation (the held-out text of the perplexity check). The file is committed
+    so that a run trains on the same text on every machine, whatever is installed there;
+    ``seed`` 0 keeps its order, another seed shuffles it."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).with_name("plain_text.json")
+    passages = [p["text"] for p in json.loads(path.read_text(encoding="utf-8"))["passages"]]
+    if seed:
+        random.Random(seed).shuffle(passages)
+    return passages[:count]
 
 
 __all__ = ["Example", "Fact", "NOT_FOUND", "SYSTEM_PROMPTS", "document", "make_examples",

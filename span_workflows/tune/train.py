@@ -82,6 +82,9 @@ class TuneConfig:
     #: weight of KL(teacher ‖ student) on the answer tokens: the teacher is the frozen base on
     #: the stock form of the prompt (0: no teacher forward at all)
     kl_weight: float = 0.0
+    #: dev-set questions scored at the end of every segment (0: no learning curve); see
+    #: :func:`dev_point`
+    dev_questions: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,6 +102,7 @@ class TuneConfig:
             ("kl_weight", self.kl_weight >= 0, "must not be negative"),
             ("kl_weight", self.ce_weight + self.kl_weight > 0,
              "and --ce-weight cannot both be 0 (nothing would be trained)"),
+            ("dev_questions", self.dev_questions >= 0, "must not be negative"),
         ]
         for name, ok, what in checks:
             if not ok:
@@ -113,13 +117,16 @@ class TuneConfig:
 
 
 #: Named configurations. ``default`` trains the bundled span-ready adapter (``make adapter``):
-#: self-distillation from the base in stock form plus half-weighted cross-entropy, 2–16
-#: documents per prompt (about 37 % with 8 or more), documents of 64–512 tokens, no link blocks
-#: (the options the adapter is served with), agent turns with tools in 15 % of the stream.
+#: self-distillation from the base in stock form plus half-weighted cross-entropy, 2–12
+#: documents per prompt (about a quarter with 8 or more) of 48–384 tokens, in the layouts
+#: framework prompts use (:mod:`span_workflows.tune.layouts`), no link blocks (the options the
+#: adapter is served with), agent turns with tools in 15 % of the stream, stock form in 10 %,
+#: no LoRA dropout (one pass over fresh examples; dropout cost 15 % of an example's time);
+#: a 48-question dev score at the end of every segment.
 RECIPES: dict[str, TuneConfig] = {
-    "default": TuneConfig(examples=1600, docs_per_prompt=(2, 16), doc_tokens=(64, 512),
-                          span_share=0.6, text_share=0.05, tool_share=0.15, link_share=0.0,
-                          ce_weight=0.5, kl_weight=1.0),
+    "default": TuneConfig(examples=1600, docs_per_prompt=(2, 12), doc_tokens=(48, 384),
+                          span_share=0.7, text_share=0.05, tool_share=0.15, link_share=0.0,
+                          ce_weight=0.5, kl_weight=1.0, dropout=0.0, dev_questions=48),
 }
 
 
@@ -185,8 +192,11 @@ class ExampleStream:
 
     def item(self, index: int) -> _Item:
         from span_workflows.builders import rag
+        from span_workflows.fragments import lift_messages
+        from span_workflows.ir import ROLE_MESSAGES
         from span_workflows.layout import SpanOptions
         from span_workflows.optimize import optimize
+        from span_workflows.tune.layouts import draw_layout, layout_messages
 
         cfg = self.config
         rng = random.Random(cfg.seed * 1_000_003 + index)
@@ -200,10 +210,20 @@ class ExampleStream:
             return self._tool_item(index, rng)
         example = self._examples[index]
         answer = self._answer_ids(example.answer)
-        query = optimize(rag(example.system, example.documents, example.question,
-                             max_tokens=len(answer)))
         compiler = self._compilers[rng.choice(cfg.block_sizes)]
-        stock = tuple(compiler.compile_generate(query, span_mode=False).token_ids)
+        layout = draw_layout(rng)
+        if layout == "rag":
+            query = optimize(rag(example.system, example.documents, example.question,
+                                 max_tokens=len(answer)))
+            stock = tuple(compiler.compile_generate(query, span_mode=False).token_ids)
+        else:  # the documents inside a message, lifted as the integrations lift them
+            messages = layout_messages(layout, example.system, example.documents,
+                                       example.question, example.titles, rng)
+            query = optimize(lift_messages(messages, max_tokens=len(answer),
+                                           fragments=example.documents))
+            stock = tuple(compiler.renderer.conversation(
+                [ROLE_MESSAGES[role](text) for role, text in messages],
+                generation_prompt=True))
         if roll < cfg.text_share + cfg.tool_share + cfg.span_share:
             links = 1 if rng.random() < cfg.link_share else 0
             tq = compiler.compile_generate(query, options=SpanOptions(link_blocks=links))
@@ -321,19 +341,24 @@ def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
 
 def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str = "cpu",
          progress: bool = True, stop_after: int | None = None, recipe: str | None = None,
+         max_seconds: float | None = None,
          on_step: Callable[[int, float], None] | None = None) -> TuneReport:
     """Train (or resume training) the LoRA adapter of ``config`` for ``model`` into ``out``.
 
-    ``stop_after`` ends the run after that many examples in total (a checkpoint is written),
-    as if the process had been stopped there: the next call resumes. ``recipe`` is the name of
-    the :data:`RECIPES` entry ``config`` came from, for the log. Returns what was done; the
-    adapter is written to ``out/adapter`` when the stream is finished, with its
+    A process that trains is one *segment* of the run. It ends when the stream is finished;
+    after ``stop_after`` examples in total; at the first optimizer step after ``max_seconds``
+    of training; or at the first optimizer step after SIGTERM or SIGINT. Whichever ends it, a
+    checkpoint is written and, when ``config.dev_questions`` is set, the dev-set score of the
+    adapter so far is added to the learning curve: the next call resumes. ``recipe`` is the
+    name of the :data:`RECIPES` entry ``config`` came from, for the log. Returns what was done;
+    the adapter is written to ``out/adapter`` when the stream is finished, with its
     ``training_log.json`` (the one in ``out`` is rewritten at every checkpoint).
     """
     import torch
-    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import LoraConfig, get_peft_model
     from tqdm.auto import tqdm
+
+    from span_workflows.tune import checkpoint as ckpt
 
     torch.manual_seed(config.seed)
     base, tokenizer, base_path = load_base(model, device)
@@ -346,21 +371,18 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(config))
     checkpoint = out / "checkpoint"
-    state = _load_state(checkpoint, config, model)
-    report = TuneReport(out / "adapter")
-    curves: dict[str, list[float]] = {"ce": [], "kl": []}
-    earlier_seconds = 0.0
+    state = ckpt.load_state(checkpoint, config.as_json(), model)
     if state is not None:
-        set_peft_model_state_dict(peft_model, load_file(str(checkpoint / "adapter.safetensors")))
-        optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
-        schedule.load_state_dict(torch.load(checkpoint / "schedule.pt", weights_only=True))
-        report.losses = list(state["losses"])
-        report.examples = report.resumed_from = int(state["examples"])
-        curves = {k: list(v) for k, v in state.get("curves", curves).items()}
-        earlier_seconds = float(state.get("seconds", 0.0))
+        ckpt.restore(checkpoint, peft_model, optimizer, schedule)
+    else:
+        state = ckpt.RunState()
+    report = TuneReport(out / "adapter", losses=state.losses, examples=state.examples,
+                        resumed_from=state.examples)
     stream = ExampleStream(config, tokenizer)
     run = _RunInfo(config, model or BASE_MODEL_NAME, base_path.name, device, recipe,
                    stream.checksum())
+    segment = _segment(state.examples)
+    earlier_segments, earlier_seconds = list(state.segments), state.seconds
     end = len(stream) if stop_after is None else min(len(stream), stop_after)
     bar = tqdm(total=len(stream), initial=report.examples, desc="tune", unit="ex",
                disable=not progress)
@@ -368,41 +390,54 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     started = time.perf_counter()
     window: list[tuple[float, float, float]] = []
     index = report.examples
-    while index < end:
-        batch_end = min(index + config.accumulate, len(stream))
-        for i in range(index, batch_end):
-            loss, ce, kl = training_loss(peft_model, stream.item(i), config)
-            (loss / (batch_end - index)).backward()
-            window.append((loss.item(), ce, kl))
-            bar.update(1)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        report.losses.append(sum(w[0] for w in window) / len(window))
-        curves["ce"].append(sum(w[1] for w in window) / len(window))
-        curves["kl"].append(sum(w[2] for w in window) / len(window))
-        window = []
-        index = batch_end
-        report.examples = index
-        bar.set_postfix(loss=f"{report.losses[-1]:.3f}",
-                        lr=f"{schedule.get_last_lr()[0]:.1e}")
-        if on_step is not None:
-            on_step(len(report.losses), report.losses[-1])
-        if len(report.losses) % config.checkpoint_every == 0 or index >= end:
-            report.seconds = time.perf_counter() - started
-            total = earlier_seconds + report.seconds
-            _save_checkpoint(checkpoint, peft_model, optimizer, schedule, config, model,
-                             report, curves, total)
-            _write_json(out / "training_log.json",
-                        training_log(run, report.examples, report.losses, curves, total))
+
+    def write_checkpoint() -> None:
+        report.seconds = time.perf_counter() - started
+        segment["examples"][1] = report.examples
+        segment["seconds"] = round(report.seconds, 1)
+        state.examples, state.seconds = report.examples, earlier_seconds + report.seconds
+        state.segments = [*earlier_segments, segment]
+        ckpt.save(checkpoint, peft_model, optimizer, schedule, config.as_json(), model, state)
+        _write_json(out / "training_log.json", training_log(run, state))
+
+    with _StopRequest() as stop:
+        while index < end:
+            batch_end = min(index + config.accumulate, len(stream))
+            for i in range(index, batch_end):
+                loss, ce, kl = training_loss(peft_model, stream.item(i), config)
+                (loss / (batch_end - index)).backward()
+                window.append((loss.item(), ce, kl))
+                bar.update(1)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            report.losses.append(sum(w[0] for w in window) / len(window))
+            state.curves["ce"].append(sum(w[1] for w in window) / len(window))
+            state.curves["kl"].append(sum(w[2] for w in window) / len(window))
+            window = []
+            index = batch_end
+            report.examples = index
+            bar.set_postfix(loss=f"{report.losses[-1]:.3f}",
+                            lr=f"{schedule.get_last_lr()[0]:.1e}")
+            if on_step is not None:
+                on_step(len(report.losses), report.losses[-1])
+            out_of_time = (max_seconds is not None
+                           and time.perf_counter() - started >= max_seconds)
+            if out_of_time or stop.requested:
+                end = index
+            if len(report.losses) % config.checkpoint_every == 0 or index >= end:
+                write_checkpoint()
     bar.close()
+    if config.dev_questions and report.examples > report.resumed_from:
+        state.dev.append({"examples": report.examples, "commit": segment["commit"],
+                          **dev_point(peft_model, tokenizer, config, out)})
+        write_checkpoint()
     report.seconds = time.perf_counter() - started
     if report.examples >= len(stream):
         report.adapter.mkdir(parents=True, exist_ok=True)
         peft_model.save_pretrained(str(report.adapter))
-        log = training_log(run, report.examples, report.losses, curves,
-                           earlier_seconds + report.seconds)
+        log = training_log(run, state)
         started_from = _training_log(config.init_adapter)
         if started_from is not None:  # the runs this one continued, oldest first
             log["continued"] = [*started_from.pop("continued", []), started_from]
@@ -412,6 +447,86 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
         (report.adapter / SPAN_DEFAULTS_FILE).write_text(json.dumps(
             {"span_ready": True, "span_options": TRAINED_OPTIONS}, indent=1) + "\n")
     return report
+
+
+class _StopRequest:
+    """While entered (in the main thread), SIGTERM and SIGINT ask the run to stop at its next
+    optimizer step instead of killing it: the step finishes and a checkpoint is written. A
+    second signal stops it at once, as without this."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopRequest:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import signal
+
+        if self.requested:  # asked twice: give up at once
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this optimizer step "
+              f"(a checkpoint is written); send it again to stop at once", flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _segment(first_example: int) -> dict[str, Any]:
+    """The log entry of the segment this process trains: the commit of the code (what the
+    run itself writes excluded), the machine, when it started, examples ``[from, to)`` and
+    seconds (filled in as it goes)."""
+    import datetime
+    import platform
+
+    from span_workflows import build_info
+
+    return {"commit": build_info.commit(("span_workflows/adapters", "training")),
+            "machine": build_info.machine(), "host": platform.node(),
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "examples": [first_example, first_example], "seconds": 0.0}
+
+
+def dev_point(model: Any, tokenizer: Any, config: TuneConfig, out: Path) -> dict[str, Any]:
+    """One point of the learning curve: the dev set's accuracy in span form on the adapter as
+    it is now, beside the base's accuracy in stock form (the target) and in span form (where
+    training started), both computed once per run and kept in ``out/dev_base.json``."""
+    import hashlib
+
+    from span_workflows.tune.dev_eval import dev_score
+    from span_workflows.tune.dev_set import make_dev_set
+
+    questions = make_dev_set(config.dev_questions, seed=DEV_SEED)
+    cache = out / "dev_base.json"
+    key = hashlib.sha256(repr(questions).encode()).hexdigest()[:16]
+    base = json.loads(cache.read_text()) if cache.is_file() else {}
+    if base.get("key") != key:
+        with model.disable_adapter():
+            stock = dev_score(model, tokenizer, questions, form="stock")
+            span = dev_score(model, tokenizer, questions, form="span")
+        base = {"key": key, "stock": stock.accuracy, "span": span.accuracy,
+                "stock_by_layout": stock.by_layout, "span_by_layout": span.by_layout}
+        _write_json(cache, base)
+    tuned = dev_score(model, tokenizer, questions, form="span")
+    return {"questions": config.dev_questions, "span": tuned.accuracy,
+            "span_by_layout": tuned.by_layout, "base_stock": base["stock"],
+            "base_span": base["span"]}
+
+
+#: The seed of the dev set the learning curve is scored on.
+DEV_SEED = 11
 
 
 @dataclass(frozen=True)
@@ -426,25 +541,28 @@ class _RunInfo:
     data_sha256: str
 
 
-def training_log(run: _RunInfo, examples: int, losses: list[float],
-                 curves: dict[str, list[float]], seconds: float) -> dict[str, Any]:
-    """The log of a run so far: its config and recipe, the base model, the data's checksum,
-    the commit, machine and package versions, the loss curve (the loss and its two terms, one
-    point per optimizer step), examples done and seconds spent (all sessions together)."""
+def training_log(run: _RunInfo, state: Any) -> dict[str, Any]:
+    """The log of a run so far (``state``: its :class:`~span_workflows.tune.checkpoint.RunState`):
+    its config and recipe, the base model, the data's checksum, the commit, machine and package
+    versions, the loss curve (the loss and its two terms, one point per optimizer step),
+    examples done and seconds spent (all segments together), every segment (commit, machine,
+    examples, seconds) and the dev-set learning curve."""
     from span_workflows import build_info
 
+    examples, seconds = state.examples, state.seconds
     return {
         "config": run.config.as_json(), "recipe": run.recipe,
         "base_model": run.base_model, "base_dir": run.base_dir,
         "data_sha256": run.data_sha256,
-        "commit": build_info.commit(("span_workflows/adapters",)),
+        "commit": build_info.commit(("span_workflows/adapters", "training")),
         "machine": build_info.machine(), "device": run.device,
         "packages": build_info.package_versions(
             ("torch", "transformers", "peft", "safetensors", "vllm")),
         "examples": examples, "of": run.config.examples,
         "seconds": round(seconds, 1),
         "seconds_per_1k": round(1000 * seconds / examples, 1) if examples else None,
-        "losses": losses, "ce": curves["ce"], "kl": curves["kl"],
+        "segments": state.segments, "dev": state.dev,
+        "losses": state.losses, "ce": state.curves["ce"], "kl": state.curves["kl"],
     }
 
 
@@ -498,49 +616,6 @@ def _lr_lambda(config: TuneConfig) -> Callable[[int], float]:
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     return scale
-
-
-def _load_state(checkpoint: Path, config: TuneConfig, model: str | None
-                ) -> dict[str, Any] | None:
-    """The saved state of a run with this config, or ``None`` (no checkpoint). A checkpoint
-    of another config is refused: resuming it would train something else."""
-    path = checkpoint / "state.json"
-    if not path.is_file():
-        return None
-    state = json.loads(path.read_text())
-    if state.get("config") != config.as_json() or state.get("model") != model:
-        raise SpanQueryError("--out", f"{checkpoint} holds a run with other settings; use "
-                                      f"another --out or delete it")
-    return state
-
-
-def _save_checkpoint(checkpoint: Path, model: Any, optimizer: Any, schedule: Any,
-                     config: TuneConfig, base: str | None, report: TuneReport,
-                     curves: dict[str, list[float]], seconds: float) -> None:
-    """Write the resumable state atomically (a new directory renamed over the old one)."""
-    import shutil
-
-    import torch
-    from peft import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    tmp = checkpoint.with_name(checkpoint.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weights = {k: v.detach().cpu().contiguous()
-               for k, v in get_peft_model_state_dict(model).items()}
-    save_file(weights, str(tmp / "adapter.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(schedule.state_dict(), tmp / "schedule.pt")
-    (tmp / "state.json").write_text(json.dumps({
-        "config": config.as_json(), "model": base, "examples": report.examples,
-        "losses": report.losses, "curves": curves, "seconds": seconds}))
-    old = checkpoint.with_name(checkpoint.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if checkpoint.exists():
-        checkpoint.rename(old)
-    tmp.rename(checkpoint)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 __all__ = ["ExampleStream", "RECIPES", "TARGET_MODULES", "TuneConfig", "TuneReport",

@@ -268,6 +268,8 @@ _TUNE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("ce_weight", float, "weight of the reference answer's cross-entropy"),
     ("kl_weight", float, "weight of KL(base on the stock prompt || adapter) on the answer "
                          "tokens: self-distillation"),
+    ("dev_questions", int, "dev-set questions scored at the end of every segment of the run "
+                           "(the learning curve in the training log; 0: none)"),
 )
 
 
@@ -306,6 +308,10 @@ def _add_tune(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     tune.add_argument("--merge", type=Path, default=None,
                       help="when done, write the base model with the adapter merged in here "
                            "(a plain checkpoint vLLM serves)")
+    tune.add_argument("--hours", type=float, default=None,
+                      help="stop this segment at the first optimizer step after this many "
+                           "hours of training, with a checkpoint (SIGTERM or Ctrl-C does the "
+                           "same at any time); run the command again to resume")
     tune.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     tune.set_defaults(func=_cmd_tune)
 
@@ -339,8 +345,11 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from span_workflows.tune.train import tune
 
     config = _tune_config(args)
+    if args.hours is not None and args.hours <= 0:
+        raise SpanQueryError("--hours", "must be positive")
     report = tune(args.out, config, model=args.model, device=args.device,
-                  stop_after=args.stop_after, recipe=args.recipe)
+                  stop_after=args.stop_after, recipe=args.recipe,
+                  max_seconds=None if args.hours is None else 3600 * args.hours)
     done = report.examples >= config.examples
     first, last = (report.losses[0], report.losses[-1]) if report.losses else (0.0, 0.0)
     print(f"trained {report.examples - report.resumed_from} examples in "
