@@ -21,14 +21,16 @@ the patched vLLM serves it:
 
 :func:`stock_forward` is the plain causal forward over the stock chat prompt. Both return the
 logits that predict each answer token (row 0: the first token, from the prompt's last
-position), so the same loss trains both forms.
+position), so the same loss trains both forms. :func:`span_prompt_cache` is the span-mode
+prompt without an answer — the composed cache up to the generation prompt — to generate from
+(:mod:`span_workflows.tune.dev_eval`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -122,11 +124,22 @@ def _new_kv(out: Any, count: int) -> tuple[list[torch.Tensor], list[torch.Tensor
             [layer.values[:, :, -count:] for layer in layers])
 
 
-def span_forward(model: Any, tq: TokenizedQuery, answer_ids: Sequence[int]) -> torch.Tensor:
-    """Logits ``[len(answer_ids), vocab]`` of ``answer_ids`` after the span-mode prompt ``tq``
-    (compiled with its :class:`~span_workflows.layout.SpanOptions`), computed as the engine
-    computes it (see the module docstring). Row ``i`` predicts ``answer_ids[i]``; row 0 is the
-    first generated token's distribution. Differentiable in the model's parameters."""
+class SpanPromptCache(NamedTuple):
+    """A span-mode prompt computed up to its last ordered run (the tail: the question and the
+    generation prompt), as :func:`span_prompt_cache` returns it."""
+
+    #: the composed KV of everything before the tail, a Hugging Face ``DynamicCache`` (``None``
+    #: when the tail is the whole prompt)
+    cache: Any
+    #: the tail's token ids, still to be run
+    tail_ids: list[int]
+    #: their positions, ``[1, len(tail_ids)]`` (right after the cached tokens)
+    tail_positions: torch.Tensor
+
+
+def _compose(model: Any, tq: TokenizedQuery) -> tuple[_KV, list[int], int]:
+    """Every run of ``tq`` but the last, composed as the engine computes it; the last run's
+    token ids and its offset."""
     runs = _groups(tq.spans)
     if not runs or runs[-1][0] != "ordered":
         raise ValueError("a span-mode prompt ends with an ordered run (the generation prompt)")
@@ -136,26 +149,46 @@ def span_forward(model: Any, tq: TokenizedQuery, answer_ids: Sequence[int]) -> t
     tokens = tq.token_ids
     options = tq.options
     links = {s[0]: (s[2] if len(s) > 2 else 0) for s in tq.segments}
-    for index, (kind, spans) in enumerate(runs):
+    for kind, spans in runs[:-1]:
         if kind == "plus":
             _plus_group(model, kv, tokens, spans, options.attend,
                         [links.get(s.offset, 0) for s in spans], tq.block_size, device)
             continue
         span = spans[0]
         ids = list(tokens[span.offset: span.offset + span.length])
-        last = index == len(runs) - 1
-        if last:
-            ids += list(answer_ids[:-1])
         positions = torch.arange(span.offset, span.offset + len(ids), device=device)[None]
-        if last:
-            out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions,
-                        past_key_values=kv.cache(), use_cache=True,
-                        logits_to_keep=len(answer_ids))
-            return out.logits[0]
         out = _base(model)(input_ids=torch.tensor([ids], device=device),
                            position_ids=positions, past_key_values=kv.cache(), use_cache=True)
         kv.append(*_new_kv(out, len(ids)))
-    raise AssertionError("unreachable")
+    tail = runs[-1][1][0]
+    return kv, list(tokens[tail.offset: tail.offset + tail.length]), tail.offset
+
+
+def span_forward(model: Any, tq: TokenizedQuery, answer_ids: Sequence[int]) -> torch.Tensor:
+    """Logits ``[len(answer_ids), vocab]`` of ``answer_ids`` after the span-mode prompt ``tq``
+    (compiled with its :class:`~span_workflows.layout.SpanOptions`), computed as the engine
+    computes it (see the module docstring). Row ``i`` predicts ``answer_ids[i]``; row 0 is the
+    first generated token's distribution. Differentiable in the model's parameters."""
+    kv, ids, offset = _compose(model, tq)
+    device = next(model.parameters()).device
+    ids += list(answer_ids[:-1])
+    positions = torch.arange(offset, offset + len(ids), device=device)[None]
+    out = model(input_ids=torch.tensor([ids], device=device), position_ids=positions,
+                past_key_values=kv.cache(), use_cache=True, logits_to_keep=len(answer_ids))
+    return out.logits[0]
+
+
+def span_prompt_cache(model: Any, tq: TokenizedQuery) -> SpanPromptCache:
+    """The span-mode prompt ``tq`` computed as :func:`span_forward` computes it, up to its
+    tail: the composed KV cache of every run before the last ordered one, and that run's ids
+    and positions. Running ``model(input_ids=tail_ids, position_ids=tail_positions,
+    past_key_values=cache, use_cache=True)`` then gives the first generated token's logits
+    (the last row) and a cache to decode on from position ``tail_positions[0, -1] + 1`` —
+    what the engine's span mode generates from."""
+    kv, ids, offset = _compose(model, tq)
+    device = next(model.parameters()).device
+    positions = torch.arange(offset, offset + len(ids), device=device)[None]
+    return SpanPromptCache(kv.cache(), ids, positions)
 
 
 def _plus_group(model: Any, kv: _KV, tokens: Sequence[int], spans: list[Span], attend: str,
@@ -248,4 +281,4 @@ def stock_forward(model: Any, prompt_ids: Sequence[int],
     return out.logits[0]
 
 
-__all__ = ["span_forward", "stock_forward"]
+__all__ = ["SpanPromptCache", "span_forward", "span_prompt_cache", "stock_forward"]
