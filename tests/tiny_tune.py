@@ -1,5 +1,6 @@
-"""One tiny ``span-workflows tune`` run for the session: stopped after 6 of 12 examples, then
-resumed to the end with ``--merge``. ``tune/test_tune_train.py`` checks the run; the CLI's
+"""One tiny ``span-workflows tune`` run for the session: a first segment ended by its time budget
+(``--hours``: at its first optimizer step, 3 of 12 examples), then resumed to the end with
+``--merge``. ``tune/test_tune_train.py`` checks the run; the CLI's
 ``run`` test serves the merged checkpoint, so one engine start covers both."""
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ class TinyTuneRun:
 
 
 def run_tiny_tune(root: Path) -> TinyTuneRun:
-    """Train into ``root/run`` (stop after 6, resume, merge into ``root/merged``)."""
+    """Train into ``root/run`` (a segment out of time after 3, resumed, merged into
+    ``root/merged``)."""
     from span_workflows.apps.cli.main import main
 
     out, merged = root / "run", root / "merged"
     with redirect_stdout(io.StringIO()) as stopped:
-        stopped_code = main(["tune", "--out", str(out), *TINY, "--stop-after", "6"])
+        stopped_code = main(["tune", "--out", str(out), *TINY, "--hours", "1e-9"])
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     adapter_after_stop = (out / "adapter").exists()
     with redirect_stdout(io.StringIO()) as finished:

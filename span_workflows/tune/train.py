@@ -159,6 +159,8 @@ class _Item:
     prompt_ids: tuple[int, ...] = ()
     #: the stock form of the same prompt, what the teacher reads
     teacher_ids: tuple[int, ...] = ()
+    #: where a RAG example's prompt puts its documents (:mod:`span_workflows.tune.layouts`)
+    layout: str = ""
 
 
 class ExampleStream:
@@ -227,8 +229,8 @@ class ExampleStream:
         if roll < cfg.text_share + cfg.tool_share + cfg.span_share:
             links = 1 if rng.random() < cfg.link_share else 0
             tq = compiler.compile_generate(query, options=SpanOptions(link_blocks=links))
-            return _Item("span", answer, query=tq, teacher_ids=stock)
-        return _Item("stock", answer, prompt_ids=stock, teacher_ids=stock)
+            return _Item("span", answer, query=tq, teacher_ids=stock, layout=layout)
+        return _Item("stock", answer, prompt_ids=stock, teacher_ids=stock, layout=layout)
 
     def _answer_ids(self, text: str) -> tuple[int, ...]:
         """The target tokens of an answer: its text, then the end of the assistant turn."""
@@ -345,11 +347,13 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
          on_step: Callable[[int, float], None] | None = None) -> TuneReport:
     """Train (or resume training) the LoRA adapter of ``config`` for ``model`` into ``out``.
 
-    A process that trains is one *segment* of the run. It ends when the stream is finished;
-    after ``stop_after`` examples in total; at the first optimizer step after ``max_seconds``
-    of training; or at the first optimizer step after SIGTERM or SIGINT. Whichever ends it, a
-    checkpoint is written and, when ``config.dev_questions`` is set, the dev-set score of the
-    adapter so far is added to the learning curve: the next call resumes. ``recipe`` is the
+    A process that trains is one *segment* of the run; while it trains it holds the machine's
+    training lock (:mod:`span_workflows.tune.lock`: benchmarks wait). It ends when the stream
+    is finished; after ``stop_after`` examples in total; at the first optimizer step after
+    ``max_seconds`` of training; or at the first optimizer step after SIGTERM or SIGINT.
+    Whichever ends it, a checkpoint is written and, when ``config.dev_questions`` is set, the
+    dev-set score of the adapter so far is added to the learning curve (its time is not
+    counted as training): the next call resumes. ``recipe`` is the
     name of the :data:`RECIPES` entry ``config`` came from, for the log. Returns what was done;
     the adapter is written to ``out/adapter`` when the stream is finished, with its
     ``training_log.json`` (the one in ``out`` is rewritten at every checkpoint).
@@ -359,6 +363,7 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     from tqdm.auto import tqdm
 
     from span_workflows.tune import checkpoint as ckpt
+    from span_workflows.tune.lock import holding
 
     torch.manual_seed(config.seed)
     base, tokenizer, base_path = load_base(model, device)
@@ -381,6 +386,8 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     stream = ExampleStream(config, tokenizer)
     run = _RunInfo(config, model or BASE_MODEL_NAME, base_path.name, device, recipe,
                    stream.checksum())
+    if state.examples:
+        _check_same_data(out / "training_log.json", run.data_sha256)
     segment = _segment(state.examples)
     earlier_segments, earlier_seconds = list(state.segments), state.seconds
     end = len(stream) if stop_after is None else min(len(stream), stop_after)
@@ -391,8 +398,10 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     window: list[tuple[float, float, float]] = []
     index = report.examples
 
+    trained_until: float | None = None  # when the segment's last step ended
+
     def write_checkpoint() -> None:
-        report.seconds = time.perf_counter() - started
+        report.seconds = (trained_until or time.perf_counter()) - started
         segment["examples"][1] = report.examples
         segment["seconds"] = round(report.seconds, 1)
         state.examples, state.seconds = report.examples, earlier_seconds + report.seconds
@@ -400,7 +409,7 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
         ckpt.save(checkpoint, peft_model, optimizer, schedule, config.as_json(), model, state)
         _write_json(out / "training_log.json", training_log(run, state))
 
-    with _StopRequest() as stop:
+    with holding(out), _StopRequest() as stop:
         while index < end:
             batch_end = min(index + config.accumulate, len(stream))
             for i in range(index, batch_end):
@@ -428,12 +437,12 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
                 end = index
             if len(report.losses) % config.checkpoint_every == 0 or index >= end:
                 write_checkpoint()
-    bar.close()
-    if config.dev_questions and report.examples > report.resumed_from:
-        state.dev.append({"examples": report.examples, "commit": segment["commit"],
-                          **dev_point(peft_model, tokenizer, config, out)})
-        write_checkpoint()
-    report.seconds = time.perf_counter() - started
+        bar.close()
+        trained_until = time.perf_counter()  # the dev score below is not training time
+        if config.dev_questions and report.examples > report.resumed_from:
+            state.dev.append({"examples": report.examples, "commit": segment["commit"],
+                              **dev_point(peft_model, tokenizer, config, out)})
+            write_checkpoint()
     if report.examples >= len(stream):
         report.adapter.mkdir(parents=True, exist_ok=True)
         peft_model.save_pretrained(str(report.adapter))
@@ -564,6 +573,18 @@ def training_log(run: _RunInfo, state: Any) -> dict[str, Any]:
         "segments": state.segments, "dev": state.dev,
         "losses": state.losses, "ce": state.curves["ce"], "kl": state.curves["kl"],
     }
+
+
+def _check_same_data(log: Path, checksum: str) -> None:
+    """Refuse to resume a run whose examples would differ from those it was trained on so far
+    (the generators changed since): its log records the data's checksum."""
+    if not log.is_file():
+        return
+    before = json.loads(log.read_text()).get("data_sha256")
+    if before is not None and before != checksum:
+        raise SpanQueryError("--out", f"{log.parent} was trained on other examples (data "
+                                      f"checksum {before[:12]}, now {checksum[:12]}): the "
+                                      f"example generators changed since; use another --out")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -33,7 +33,7 @@ meaningful on a shared, noisy machine even when absolute times are not.
 * ``lora`` — prefill TTFT and decode throughput of the base and of the span-ready adapter,
   as LoRA beside the base and merged (:mod:`span_workflows.apps.bench.lora`).
 * ``store`` — the span store: a new combination's TTFT from the store vs the KV cache vs
-  stock, load throughput, and a corpus 10x the KV cache
+  stock, load throughput, and a corpus over 10x the KV cache
   (:mod:`span_workflows.apps.bench.store`).
 """
 
@@ -239,7 +239,16 @@ def bench_hashing(token_counts: Sequence[int] = (1024, 32768, 131072), block_siz
 
 
 def run_bench(name: str, argv: Sequence[str]) -> int:
-    """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table."""
+    """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table. A
+    training run on this machine is waited for first (:mod:`span_workflows.tune.lock`) unless
+    ``argv`` says ``--no-wait``."""
+    argv = list(argv)
+    if "--no-wait" in argv:
+        argv.remove("--no-wait")
+    else:
+        from span_workflows.tune.lock import wait_for_training
+
+        wait_for_training()
     if name == "route":
         from span_workflows.apps.bench.route import run_route
 

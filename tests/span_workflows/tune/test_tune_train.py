@@ -40,15 +40,17 @@ def test_tune_learns_resumes_and_merges(tiny_tune_run: TinyTuneRun, tmp_path: Pa
     run = tiny_tune_run
     out, merged = run.out, run.merged
     assert run.stopped_code == 0
-    assert "stopped at 6 of 12" in run.stopped_said and "min per 1k examples" in run.stopped_said
-    state = run.stopped_state
-    assert state["examples"] == 6 and len(state["losses"]) == 2
+    # out of time (--hours) at its first optimizer step: a checkpoint, no adapter yet
+    assert "stopped at 3 of 12" in run.stopped_said and "min per 1k examples" in run.stopped_said
+    progress = run.stopped_state["progress"]
+    assert progress["examples"] == 3 and len(progress["losses"]) == 1
     assert not run.adapter_after_stop
     assert run.finished_code == 0
     said = run.finished_said
-    assert f"adapter: {out / 'adapter'}" in said and "trained 6 examples" in said
+    assert f"adapter: {out / 'adapter'}" in said and "trained 9 examples" in said
     log = json.loads((out / "adapter" / "training_log.json").read_text())
-    assert log["examples"] == 12 and log["losses"][:2] == state["losses"]  # resumed, not redone
+    assert log["examples"] == 12 and log["losses"][:1] == progress["losses"]  # resumed
+    assert [s["examples"] for s in log["segments"]] == [[0, 3], [3, 12]]
 
     # the loss on the examples it trained on fell; the adapter loads onto the base model
     from peft import PeftModel
@@ -140,23 +142,37 @@ def test_distillation_starts_at_zero_in_stock_form_and_teaches_span_form() -> No
 def test_a_recipe_run_logs_itself_and_resumes_its_log(tmp_path: Path, capsys) -> None:
     out = tmp_path / "recipe"
     small = ["--recipe", "default", "--examples", "6", "--accumulate", "3", "--max-docs", "3",
-             "--max-doc-tokens", "96", "--rank", "4", "--seed", "3"]
+             "--max-doc-tokens", "96", "--rank", "4", "--seed", "3", "--dev-questions", "2"]
     assert main(["tune", "--out", str(out), *small, "--stop-after", "3"]) == 0
     first = json.loads((out / "training_log.json").read_text())
     assert first["recipe"] == "default" and first["examples"] == 3 and first["of"] == 6
     assert first["config"]["kl_weight"] == 1.0 and first["config"]["ce_weight"] == 0.5
     assert first["config"]["docs_per_prompt"] == [2, 3]  # a flag given overrides the recipe
     assert re.fullmatch(r"[0-9a-f]{64}", first["data_sha256"])
-    assert re.fullmatch(r"([0-9a-f]{12}(\+dirty)?|unknown)", first["commit"])
+    commit = r"([0-9a-f]{12}(\+dirty)?|unknown)"
+    assert re.fullmatch(commit, first["commit"])
     assert {"torch", "transformers", "peft"} <= set(first["packages"])
     assert len(first["losses"]) == len(first["ce"]) == len(first["kl"]) == 1
     assert first["seconds_per_1k"] > 0
+    # the segment this process trained, and a point of the dev-set learning curve
+    (segment,) = first["segments"]
+    assert segment["examples"] == [0, 3] and 0 < segment["seconds"] <= first["seconds"]
+    assert re.fullmatch(commit, segment["commit"]) and segment["machine"]
+    (point,) = first["dev"]
+    assert point["examples"] == 3 and point["questions"] == 2
+    assert all(0 <= point[k] <= 1 for k in ("span", "base_stock", "base_span"))
+    assert sum(total for _, total in point["span_by_layout"].values()) == 2
+    base = json.loads((out / "dev_base.json").read_text())  # the base scored once per run
+    assert (base["stock"], base["span"]) == (point["base_stock"], point["base_span"])
     capsys.readouterr()
     assert main(["tune", "--out", str(out), *small]) == 0
     log = json.loads((out / "adapter" / "training_log.json").read_text())
     assert log["examples"] == 6 and log["losses"][:1] == first["losses"]
     assert log["data_sha256"] == first["data_sha256"] and log["seconds"] > first["seconds"]
     assert log == json.loads((out / "training_log.json").read_text())
+    assert [s["examples"] for s in log["segments"]] == [[0, 3], [3, 6]]
+    assert log["segments"][0] == segment and [p["examples"] for p in log["dev"]] == [3, 6]
+    assert log["dev"][1]["base_stock"] == point["base_stock"]
     capsys.readouterr()
     for bad, flag in ((["--kl-weight", "-1"], "--kl-weight"),
                       (["--kl-weight", "0", "--ce-weight", "0"], "--kl-weight")):
