@@ -31,3 +31,5 @@ bench "${routed[@]}" --variants routed --docs 4,8 --sizes short --questions 96
 bench "${routed[@]}" --variants routed,prefix/link --docs 4 --sizes long --questions 48
 bench "${routed[@]}" --variants routed --docs 8 --sizes long --questions 24 \
     --markdown "$results/quality.md" --plot "$results/quality.png"
+# README's table of the default engine, from the rows just written
+.venv/bin/python -m span_workflows.apps.bench.readme_tables

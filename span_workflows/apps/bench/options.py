@@ -124,8 +124,12 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
                         help="quality, lint: keep answers (lint: rows) here and resume "
                              "from them")
     parser.add_argument("--sizes", type=name_list, default=None,
-                        help="quality: document sizes, short (65-85 tokens) and/or long "
-                             "(256-512) (default: short,long)")
+                        help="quality: document shapes, short (65-85 tokens), long "
+                             "(256-512), transcript (the held-out shape: interviews) "
+                             "(default: short,long)")
+    parser.add_argument("--seeds", type=int_list(), default=None,
+                        help="quality: question seeds; every cell pools --questions of "
+                             "each, the same for every variant (default: --seed)")
     parser.add_argument("--no-ttft", action="store_true",
                         help="quality: answers only, no span-hit TTFT columns")
     parser.add_argument("--no-ttft-own", action="store_true",
@@ -163,7 +167,7 @@ def options_help() -> str:
             "  lora        prefill and decode of the base and the span-ready adapter, as LoRA "
             "and merged\n"
             "  store       the span store: a hit from disk vs the KV cache vs stock, load GB/s, "
-            "a corpus 10x the\n"
+            "a corpus over 10x\n"
             "              KV cache (its own options: bench store --help)\n\n"
             "benchmark " + options)
 

@@ -11,7 +11,10 @@ recur across questions, as they do in a real retrieval workload.
 Two document sizes: ``"short"`` (one paragraph, 65–85 tokens) and ``"long"`` (256–512 tokens,
 what a RAG chunker returns): the short paragraph's sentences, the fact sentences among them,
 spread at random depths among sentences about the same entity that state none of its facts and
-name no other person, year or town (:func:`long_document`).
+name no other person, year or town (:func:`long_document`). And a held-out shape,
+``"transcript"``: an oral-history interview (:func:`transcript`), a form that neither the
+tuning generator nor its dev set produces, written before any adapter of the tuning recipe
+was measured on it.
 
 >>> qs = make_questions(8, n_docs=4, seed=1)
 >>> len(qs), len(qs[0].documents), qs[0].documents[qs[0].target] == qs[0].answer_document
@@ -169,7 +172,44 @@ _NOUNS: dict[str, str] = {"lighthouse": "lighthouse", "workshop": "workshop", "s
                           "bridge": "bridge"}
 #: How many tokens a long document has (the range a RAG chunker returns).
 LONG_DOC_TOKENS: tuple[int, int] = (256, 512)
-DOC_SIZES: tuple[str, ...] = ("short", "long")
+#: The document shapes: two sizes of prose, and the held-out shape (:func:`transcript`).
+DOC_SIZES: tuple[str, ...] = ("short", "long", "transcript")
+
+#: kind → how a speaker says who, when and where (the held-out shape's fact turns)
+_SPOKEN: dict[str, tuple[str, str, str]] = {
+    "lighthouse": ("My grandmother always said the engineer {person} built it.",
+                   "It went up in {year}, that's carved over the door.",
+                   "It's the light you see from {town}, out on the cape."),
+    "workshop": ("The clockmaker {person} founded it, everybody knows that.",
+                 "It opened its doors in {year}, I believe.",
+                 "Right in the middle of {town}, by the market."),
+    "ship": ("Her first captain, that was {person}.",
+             "She was launched in {year}.",
+             "She came out of the yards at {town}."),
+    "festival": ("It was the musician {person} who started it.",
+                 "The very first one was in {year}.",
+                 "Always up in {town}, in the hills."),
+    "observatory": ("The astronomer {person} founded it, ground the lenses himself.",
+                    "That was in {year}.",
+                    "Up on the ridge above {town}."),
+    "bridge": ("The architect {person} drew the plans for it.",
+               "It was completed in {year}.",
+               "It crosses the river at {town}."),
+}
+_ASKED = ("Do you know who was behind it?", "And when was that?", "Where exactly is it?")
+#: Turns of the interview that state no fact (no person, year or town).
+_TALK: tuple[tuple[str, str], ...] = (
+    ("Thank you for sitting down with us today.", "It's my pleasure, I don't get many visitors."),
+    ("How long have you known the {noun}?", "Oh, since I was a little one, really."),
+    ("What do people around here think of it?", "They're fond of it. Proud, even."),
+    ("Is it much changed?", "Not much. A lick of paint now and then."),
+    ("Did you ever go inside?", "Many times. My father took me on a Sunday."),
+    ("What is it like in winter?", "Quiet. Hardly anyone about, just the wind."),
+    ("Are there any stories about it?", "Plenty, though I wouldn't swear to most of them."),
+    ("Do young people still care about it?", "Some do. The school brings them up every year."),
+    ("Anything you'd like to add?", "Only that it deserves looking after."),
+    ("Shall we take a short break?", "Yes, let me put the kettle on."),
+)
 
 
 def _sentences(text: str) -> list[str]:
@@ -205,6 +245,29 @@ def long_document(entity: Entity, rng: random.Random, tokens: int,
         body.append(next(fact_iter) if i in slots else next(fill_iter))
     text = " ".join(body)
     return text[0].upper() + text[1:]
+
+
+def transcript(entity: Entity, rng: random.Random) -> str:
+    """The held-out shape: an oral-history interview about ``entity`` (200–290 tokens), a
+    heading, then turns of ``INTERVIEWER:`` and ``RESIDENT:``; the three facts are told in the
+    resident's words, each after a question, in random order among talk that states none of
+    them. Nothing the training generator (prose paragraphs) or the tuning dev set (catalogue
+    cards) produces has this shape."""
+    noun = _NOUNS[entity.kind]
+    values = {"person": entity.person, "year": entity.year, "town": entity.town}
+    facts = [(asked, said.format(**values))
+             for asked, said in zip(_ASKED, _SPOKEN[entity.kind], strict=True)]
+    rng.shuffle(facts)
+    opening, *others = _TALK
+    turns = [opening, ("Tell me about " + entity.title + ".",
+                       "Ah, the " + noun + ". Where to begin.")]
+    rest = [(q.format(noun=noun), a) for q, a in rng.sample(others, rng.randint(2, 4))]
+    for fact in facts:
+        rest.insert(rng.randint(0, len(rest)), fact)
+    lines = [f"Oral history recording: {entity.title}."]
+    for asked, said in turns + rest:
+        lines += [f"INTERVIEWER: {asked}", f"RESIDENT: {said}"]
+    return "\n".join(lines)
 
 
 #: fact → the Entity attribute that answers it
@@ -265,10 +328,11 @@ def make_entities(count: int, seed: int = 0) -> list[Entity]:
 def make_questions(count: int, n_docs: int, seed: int = 0, *, size: str = "short",
                    count_tokens: Callable[[str], int] | None = None) -> list[Question]:
     """``count`` questions, each over ``n_docs`` documents in random order, exactly one of
-    which answers it. Facts cycle through who / when / where. ``size`` is ``"short"`` or
+    which answers it. Facts cycle through who / when / where. ``size`` is ``"short"``,
     ``"long"`` (:data:`LONG_DOC_TOKENS`, measured with ``count_tokens``, e.g. a tokenizer's;
-    by default estimated from characters). The entities, facts and questions of both sizes
-    are the same for one seed."""
+    by default estimated from characters) or ``"transcript"`` (the held-out shape,
+    :func:`transcript`). The entities, facts and questions of every size are the same for
+    one seed, so the sizes compare paired."""
     if n_docs < 1 or n_docs > count:
         raise ValueError("n_docs must be between 1 and count")
     if size not in DOC_SIZES:
@@ -276,6 +340,9 @@ def make_questions(count: int, n_docs: int, seed: int = 0, *, size: str = "short
     entities = make_entities(count, seed)
     if size == "short":
         documents = [e.document() for e in entities]
+    elif size == "transcript":
+        doc_rng = random.Random(seed * 104729 + 29)
+        documents = [transcript(e, doc_rng) for e in entities]
     else:
         doc_rng = random.Random(seed * 104729 + 17)
         low, high = LONG_DOC_TOKENS
@@ -328,4 +395,4 @@ def _unique(rng: random.Random, used: set[str], make) -> str:  # type: ignore[no
 
 
 __all__ = ["DOC_SIZES", "Entity", "LONG_DOC_TOKENS", "QUESTION_KINDS", "Question", "is_correct",
-           "long_document", "make_entities", "make_questions", "normalize"]
+           "long_document", "make_entities", "make_questions", "normalize", "transcript"]

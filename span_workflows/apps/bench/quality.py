@@ -111,6 +111,43 @@ class _Answers:
     facts: list[str]
     first: list[dict[int, float]]
 
+    def __add__(self, other: _Answers) -> _Answers:
+        """The answers of two question sets, one after the other."""
+        return _Answers(self.correct + other.correct, self.facts + other.facts,
+                        self.first + other.first)
+
+
+#: The modules whose change can change a stock answer: the questions, how a query is built,
+#: compiled and rendered by the model's chat template.
+_STOCK_CODE = ("span_workflows.apps.bench.qa_set", "span_workflows.builders",
+               "span_workflows.compile", "span_workflows.render")
+#: ... and a span answer besides: the optimizer, the span options, the plan of engine steps,
+#: the routing of the default engine and the patched vLLM (the plugin's package).
+_SPAN_CODE = ("span_workflows.optimize", "span_workflows.layout", "span_workflows.plan",
+              "span_workflows.routing", "span_vllm")
+
+
+def code_version(span: bool) -> str:
+    """12 hex digits that change whenever the code that makes an answer of this benchmark can
+    change: the sources of :data:`_STOCK_CODE` (and :data:`_SPAN_CODE` for a span answer), the
+    prompt, the answer length and vLLM's version. Stored answers are keyed by it, so a change
+    there is answered again and nothing else is."""
+    import hashlib
+    import importlib
+
+    from span_workflows import build_info
+
+    digest = hashlib.sha256(repr((SYSTEM, MAX_TOKENS, TOP_LOGPROBS,
+                                  build_info.package_versions(("vllm",)))).encode())
+    for name in (*_STOCK_CODE, *(_SPAN_CODE if span else ())):
+        module = importlib.import_module(name)
+        origin = Path(str(module.__file__))
+        files = sorted(origin.parent.glob("*.py")) if origin.name == "__init__.py" else [origin]
+        for path in files:
+            digest.update(f"{name}/{path.name}".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
 
 def _chunks(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
     for start in range(0, len(items), size):
@@ -222,14 +259,16 @@ class AnswerStore:
 
     @staticmethod
     def key(variant: str, n_docs: int, count: int, seed: int, model: str,
-            size: str = "short") -> str:
+            size: str = "short", code: str = "") -> str:
         """The entry name of one run (a linked variant's names its link semantics: links
-        that read the earlier spans as cached, ``batched``)."""
+        that read the earlier spans as cached, ``batched``; ``code``: the
+        :func:`code_version` that answered it)."""
         key = f"{variant}|docs={n_docs}|questions={count}|seed={seed}|model={model}"
         options = VARIANTS[variant].options if variant in VARIANTS else None
         if options is not None and options.link_blocks and not VARIANTS[variant].layout_only:
             key += "|links=batched"
-        return key if size == "short" else f"{key}|size={size}"
+        key = key if size == "short" else f"{key}|size={size}"
+        return f"{key}|code={code}" if code else key
 
     def get(self, key: str) -> _Answers | None:
         """The stored answers of ``key``, if any."""
@@ -290,9 +329,12 @@ class AnswerStore:
 def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequence[int],
                   count: int, *, seed: int = 0, ttft_docs: int = 16, ttft_doc_tokens: int = 440,
                   reps: int = 3, progress: bool = True, store: AnswerStore | None = None,
-                  sizes: Sequence[str] = ("short",), ttft_own: bool = True
-                  ) -> list[dict[str, Any]]:
+                  sizes: Sequence[str] = ("short",), ttft_own: bool = True,
+                  seeds: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """One row per (document size, document count, variant); see the module docstring.
+    ``seeds`` (default: ``seed`` alone) are question seeds: a row pools ``count`` questions
+    of each, the same questions for every variant, so its paired interval is over all of
+    them.
     ``stock`` is always run (the reference of ``kl_first_token``, ``delta_vs_stock`` and
     ``speedup_hit``), and so is the ``full@`` variant of each span variant's layout (the
     reference of ``kl_vs_layout``) when ``variant_names`` lists it. Answers found in ``store``
@@ -309,7 +351,9 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
             raise SpanQueryError("--sizes", f"unknown size {size!r} (known: "
                                             f"{', '.join(DOC_SIZES)})")
     store = store or AnswerStore(None)
+    seeds = list(seeds) if seeds else [seed]
     model = Path(str(getattr(engine, "model_dir", "model"))).name
+    codes = {span: code_version(span) for span in (False, True)}
     names = ["stock", *dict.fromkeys(n for n in variant_names if n != "stock")]
     variants = [_variant(n) for n in names]
 
@@ -320,8 +364,8 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
             return model
         adapters = getattr(getattr(engine, "router", None), "adapters", {})
         return "+".join([model, *(f"{name}-{a.digest[:16]}" for name, a in adapters.items())])
-    bar = tqdm(total=len(variants) * len(docs_counts) * len(sizes) * count, desc="quality",
-               unit="q", disable=not progress)
+    bar = tqdm(total=len(variants) * len(docs_counts) * len(sizes) * len(seeds) * count,
+               desc="quality", unit="q", disable=not progress)
 
     def count_tokens(text: str) -> int:
         return len(engine.tokenizer.encode(text, add_special_tokens=False))
@@ -329,25 +373,31 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     rows: list[dict[str, Any]] = []
     for size in sizes:
         for n_docs in docs_counts:
-            questions = make_questions(count, n_docs, seed, size=size,
-                                       count_tokens=count_tokens)
             answers: dict[str, _Answers] = {}
-            for variant in variants:
-                key = store.key(variant.name, n_docs, count, seed, keyed(variant), size)
-                found = store.get(key)
-                if found is None:
-                    bar.set_postfix_str(f"{variant.name}, {size}, {n_docs} docs")
-                    engine.reset_cache()
-                    found = answer(engine, variant, questions, progress=bar.update)
-                    store.put(key, found)
-                else:
-                    bar.update(count)
-                answers[variant.name] = found
+            for question_seed in seeds:
+                questions = make_questions(count, n_docs, question_seed, size=size,
+                                           count_tokens=count_tokens)
+                for variant in variants:
+                    key = store.key(variant.name, n_docs, count, question_seed, keyed(variant),
+                                    size, code=codes[variant.options is not None
+                                                     or variant.routed])
+                    found = store.get(key)
+                    if found is None:
+                        bar.set_postfix_str(f"{variant.name}, {size}, {n_docs} docs, "
+                                            f"seed {question_seed}")
+                        engine.reset_cache()
+                        found = answer(engine, variant, questions, progress=bar.update)
+                        store.put(key, found)
+                    else:
+                        bar.update(count)
+                    earlier = answers.get(variant.name)
+                    answers[variant.name] = found if earlier is None else earlier + found
             for variant in variants:
                 layout = (answers.get(_layout_name(variant.options)) if variant.is_span
                           else None)
                 row = _row(variant, n_docs, answers[variant.name], answers["stock"], layout)
-                rows.append({"model": _model_label(model), "size": size, **row})
+                rows.append({"model": _model_label(model), "size": size, "seeds": seeds,
+                             **row})
     bar.close()
     if ttft_docs < 1:  # answers only
         for row in rows:
@@ -359,14 +409,14 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     pools = {"440": documents(engine.tokenizer, 3 * ttft_docs, ttft_doc_tokens)}
     for size in sizes if ttft_own else ():
         pools[size] = [q.documents[0] for q in make_questions(
-            3 * ttft_docs, 1, seed, size=size, count_tokens=count_tokens)]
+            3 * ttft_docs, 1, seeds[0], size=size, count_tokens=count_tokens)]
     question = "Which module do the documents describe first?"
     timed: dict[tuple[str, str], tuple[float, int]] = {}
     for pool_name, pool in pools.items():
         for v in variants:
             if v.is_span or v.name == "stock":
                 key = store.ttft_key(v.name, pool_name if pool_name == "440" else
-                                     f"{pool_name}-seed{seed}", ttft_docs, reps, keyed(v))
+                                     f"{pool_name}-seed{seeds[0]}", ttft_docs, reps, keyed(v))
                 timed[(v.name, pool_name)] = store.timed(key, lambda v=v, pool=pool: hit_ttft(
                     engine, v.options, pool, ttft_docs, question, reps, routed=v.routed))
     for row in rows:
@@ -498,7 +548,7 @@ def run_quality(args: Any) -> int:
     engine_dir = engine.model_dir
     try:
         rows = bench_quality(engine, names, args.docs or [4, 8], args.questions,
-                             seed=args.seed, reps=args.reps, store=store,
+                             seed=args.seed, seeds=args.seeds, reps=args.reps, store=store,
                              sizes=args.sizes or ["short", "long"],
                              ttft_docs=0 if args.no_ttft else 16,
                              ttft_own=not args.no_ttft_own)
@@ -599,5 +649,5 @@ def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> floa
 
 
 __all__ = ["DEFAULT_VARIANTS", "MAX_TOKENS", "SYSTEM", "VARIANTS", "AnswerStore", "Variant",
-           "answer", "bench_quality", "hit_ttft", "kl_top", "markdown_table", "merge_rows",
-           "new_combinations", "paired_delta", "plot_quality", "run_quality"]
+           "answer", "bench_quality", "code_version", "hit_ttft", "kl_top", "markdown_table",
+           "merge_rows", "new_combinations", "paired_delta", "plot_quality", "run_quality"]

@@ -14,8 +14,8 @@ from span_workflows.apps.bench.qa_set import QUESTION_KINDS, is_correct, make_qu
 from span_workflows.apps.bench.report import print_table, wilson
 from span_workflows.apps.cli.main import main
 
-ROW_KEYS = {"model", "size", "variant", "n_docs", "questions", "accuracy", "ci_low", "ci_high",
-            "delta_vs_stock", "delta_low", "delta_high",
+ROW_KEYS = {"model", "size", "seeds", "variant", "n_docs", "questions", "accuracy", "ci_low",
+            "ci_high", "delta_vs_stock", "delta_low", "delta_high",
             *(f"acc_{k}" for k in QUESTION_KINDS), "kl_first_token", "kl_vs_layout",
             *bq.HIT_COLUMNS}
 
@@ -58,6 +58,33 @@ def test_long_documents_hold_the_same_facts_at_random_depths(tokenizer) -> None:
                                                          "Visitors", "Travellers",
                                                          "Photographers", "Each"}, word
     assert min(depths) < 0.2 and max(depths) > 0.7  # near the start and near the end
+
+
+def test_the_held_out_shape_is_an_interview_with_the_same_questions(tokenizer) -> None:
+    """``transcript``: the same entities and questions as the prose sizes (paired), each
+    answered by its target's interview alone, in the resident's words, at varying turns; a
+    shape neither the tuning generator nor its dev set produces."""
+    from span_workflows.tune import data, dev_set
+
+    short = make_questions(60, n_docs=8, seed=2)
+    heard = make_questions(60, n_docs=8, seed=2, size="transcript")
+    turns = []
+    for s, q in zip(short, heard, strict=True):
+        assert (s.question, s.answer, s.target) == (q.question, q.answer, q.target)
+        doc = q.answer_document
+        assert doc.startswith("Oral history recording: ") and "\nINTERVIEWER: " in doc
+        assert 190 <= len(tokenizer.encode(doc, add_special_tokens=False)) <= 300
+        if q.fact != "when":
+            assert sum(q.answer in d for d in q.documents) == 1
+        lines = doc.splitlines()
+        said = next(i for i, line in enumerate(lines) if q.answer in line)
+        assert lines[said].startswith("RESIDENT: ")
+        turns.append(said)
+    assert len(set(turns)) >= 5  # the fact is told at varying turns
+    text = "\n".join(d for q in heard for d in q.documents)
+    assert "INTERVIEWER" not in " ".join(" ".join(e.documents) for e in data.make_examples(50))
+    assert "INTERVIEWER" not in " ".join(" ".join(q.documents) for q in dev_set.make_dev_set(20))
+    assert "Registered by" not in text
 
 
 def test_the_question_set_is_deterministic_per_seed() -> None:
@@ -168,6 +195,68 @@ class CountingEngine:
         return noting
 
 
+class _Said:
+    """What a fake engine answers: the right answer for every other question."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.first_logprobs = text, {1: -0.1, 2: -2.5}
+
+
+class _AnsweringEngine:
+    """An engine stand-in for the bookkeeping of ``bench_quality`` (no model; the real
+    engine's run is the next test): for a question of even length it says the first
+    document, else that it does not know; it counts its calls."""
+
+    model_dir = Path("/models/fake-0123456789abcdef")
+    model_name = "fake"
+
+    def __init__(self, tokenizer) -> None:  # type: ignore[no-untyped-def]
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def reset_cache(self) -> None:
+        pass
+
+    def execute_many(self, queries, **run):  # type: ignore[no-untyped-def]
+        from span_workflows.ir import Plus, User
+
+        self.calls += 1
+        said = []
+        for q in queries:
+            question = [m.text for m in q.input.children if isinstance(m, User)][-1]
+            first = next(m for m in q.input.children if isinstance(m, Plus)).children[0].text
+            said.append(_Said(first if len(question) % 2 == 0 else "I do not know."))
+        return said
+
+
+def test_cells_pool_the_questions_of_every_seed_and_keep_them_by_code(
+        tokenizer, tmp_path: Path, monkeypatch) -> None:
+    fake = _AnsweringEngine(tokenizer)
+    store = bq.AnswerStore(tmp_path / "answers.json")
+    rows = bq.bench_quality(fake, ["prefix"], [2], 4, seeds=[0, 1], ttft_docs=0,
+                            progress=False, store=store)
+    assert fake.calls == 4  # stock and prefix, for each seed
+    expected = []
+    for seed in (0, 1):
+        for q in make_questions(4, 2, seed):
+            expected.append(len(q.question) % 2 == 0 and is_correct(q.answer, q.documents[0]))
+    assert 0 < sum(expected) < 8  # the pooled accuracy below can tell the seeds apart
+    for row in rows:
+        assert row["seeds"] == [0, 1] and row["questions"] == 8
+        assert row["accuracy"] == sum(expected) / 8
+    keys = [k for k in json.loads((tmp_path / "answers.json").read_text())]
+    assert sorted(k.split("|seed=")[1][0] for k in keys) == ["0", "0", "1", "1"]
+    # read back, nothing answered again; another code version answers everything again
+    fake.calls = 0
+    again = bq.bench_quality(fake, ["prefix"], [2], 4, seeds=[0, 1], ttft_docs=0,
+                             progress=False, store=bq.AnswerStore(tmp_path / "answers.json"))
+    assert fake.calls == 0 and [r["accuracy"] for r in again] == [r["accuracy"] for r in rows]
+    stock_code = bq.code_version(False)  # the span path changed: span answers only
+    monkeypatch.setattr(bq, "code_version", lambda span: "changed" if span else stock_code)
+    bq.bench_quality(fake, ["prefix"], [2], 4, seeds=[0, 1], ttft_docs=0, progress=False,
+                     store=bq.AnswerStore(tmp_path / "answers.json"))
+    assert fake.calls == 2
+
+
 @pytest.mark.engine
 def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     store = bq.AnswerStore(tmp_path / "answers.json")
@@ -199,6 +288,11 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "answers.json").read_text())
     answered = [k for k in saved if not k.startswith("ttft|")]
     assert len(answered) == 6 and all("links=batched" in k for k in answered if "/link" in k)
+    # each answer is keyed by the code that made it: stock's by the stock path's alone
+    stock_code, span_code = bq.code_version(False), bq.code_version(True)
+    assert stock_code != span_code
+    assert all(k.endswith(f"|code={stock_code if k.startswith('stock|') else span_code}")
+               for k in answered)
     # stock's and the span variant's hits, at 16 x 440 and in each size's own pool
     assert len(saved) - len(answered) == 2 * (1 + len(sizes))
 
