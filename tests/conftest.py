@@ -92,11 +92,9 @@ def engine():
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer (converts the bundled GGUF on first use)."""
-    from transformers import AutoTokenizer
+    from span_workflows.model import load_tokenizer
 
-    from span_workflows.model import resolve_model
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(progress=False)))
+    return load_tokenizer()
 
 
 @pytest.fixture(scope="session")

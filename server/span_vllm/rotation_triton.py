@@ -14,7 +14,6 @@ Triton's interpreter with ``TRITON_INTERPRET=1``, which the CPU tests use).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,11 +29,6 @@ except ImportError:  # pragma: no cover
 
 #: Token rows of one tile (rows of a block are processed in a loop of this size).
 TILE_TOKENS = 32
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 def available() -> bool:

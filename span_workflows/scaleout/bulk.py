@@ -28,7 +28,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -214,17 +214,10 @@ def estimated_cache_tokens(model: str | None, kv_cache_gib: int, block_size: int
 
 
 def _tokenizer(model: str | None) -> Any:
-    from transformers import AutoTokenizer
+    from span_workflows.model import load_tokenizer
 
-    from span_workflows.model import resolve_model
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(model, progress=False)))
+    return load_tokenizer(model)
 
 
-def answers_in_order(answers: Iterable[RayAnswer], count: int) -> list[BulkAnswer]:
-    """The answers of :func:`run_bulk_on_ray` in input order."""
-    return bulk.in_input_order((a.answer for a in answers), count)
-
-
-__all__ = ["BulkOptions", "RayAnswer", "SpanEngineActor", "answers_in_order", "cluster_rows",
+__all__ = ["BulkOptions", "RayAnswer", "SpanEngineActor", "cluster_rows",
            "engine_cache_tokens", "estimated_cache_tokens", "forwarded_env", "run_bulk_on_ray"]

@@ -112,14 +112,13 @@ def test_cache_salt_keeps_tenants_apart_over_http(http: httpx.Client) -> None:
 def test_vllm_endpoints_cannot_borrow_span_semantics(http: httpx.Client) -> None:
     """The same tokens as a span query, with a forged span layout, through /v1/completions:
     no span block is hit or repositioned for it."""
-    from transformers import AutoTokenizer
 
     from span_workflows.compile import Compiler
     from span_workflows.ir import Generate as G
-    from span_workflows.model import resolve_model
+    from span_workflows.model import load_tokenizer
 
     model = http.get("/v1/models").json()["data"][0]["id"]
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(progress=False)))
+    tokenizer = load_tokenizer()
     node = G(Cross((System(SYSTEM), Plus((Fragment(OTHER), Fragment(SPAN))),
                     User("Who built the lighthouse?"))), max_tokens=4, temperature=0.0)
     tq = Compiler.for_tokenizer(tokenizer, 32).compile_generate(node)

@@ -273,12 +273,11 @@ def ray_rows(setting: Setting, references: dict[float, Any], cache_tokens: int,
              replicas: int) -> list[dict[str, Any]]:
     """``cluster`` on ``replicas`` Ray Data actors for each ratio above 1 (the same queries
     and cache size as the one-engine rows)."""
-    from transformers import AutoTokenizer
 
-    from span_workflows.model import resolve_model
+    from span_workflows.model import load_tokenizer
     from span_workflows.scaleout.bulk import BulkOptions, run_bulk_on_ray
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(setting.model, progress=False)))
+    tokenizer = load_tokenizer(setting.model)
     rows = []
     for ratio, ref in references.items():
         if ratio <= 1:

@@ -35,15 +35,14 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
     """Run the trace against every router of :data:`REAL_ROUTERS`; one row per router."""
     import ray
     from ray import serve
-    from transformers import AutoTokenizer
 
-    from span_workflows.model import resolve_model
+    from span_workflows.model import load_tokenizer
     from span_workflows.scaleout.deployment import APP_NAME, ClusterOptions, build_app
     from span_workflows.serving.launch import free_port
 
     trace = make_trace(TraceOptions(requests=requests, documents=documents, k=k, zipf_s=zipf_s,
                                     doc_tokens=(doc_tokens, doc_tokens), seed=seed))
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(progress=progress)))
+    tokenizer = load_tokenizer(progress=progress)
     texts = _documents(tokenizer, documents, doc_tokens, seed)
     port = free_port()
     ray.init(include_dashboard=False, log_to_driver=False)
