@@ -45,11 +45,12 @@ class IndexReport:
 
 def index_documents(engine: Any, documents: Sequence[str | Fragment], system: str, *,
                     batch_size: int = 8, weights: str | None = None,
-                    progress: bool = True) -> IndexReport:
+                    cache_salt: str | None = None, progress: bool = True) -> IndexReport:
     """Compute every document's span on ``engine`` (an :class:`~span_workflows.engine.Engine`
     with a span store), ``batch_size`` queries at a time, each document a plus span after
-    ``system``. ``weights`` (default: the router's weights for span queries) must be the ones
-    later queries run on: spans are keyed by them."""
+    ``system``. ``weights`` (default: the router's weights for span queries) and
+    ``cache_salt`` (a tenant's vLLM salt; default none) must be the ones later queries run
+    with: spans are keyed by both."""
     if batch_size < 1:
         raise SpanQueryError("batch_size", f"must be at least 1, got {batch_size}")
     if weights is None:
@@ -64,7 +65,8 @@ def index_documents(engine: Any, documents: Sequence[str | Fragment], system: st
         for i in range(0, len(docs), batch_size):
             batch = docs[i:i + batch_size]
             queries = [rag(system, [d], INDEX_QUESTION, max_tokens=1) for d in batch]
-            for result in engine.execute_many(queries, weights=weights):
+            for result in engine.execute_many(queries, weights=weights,
+                                              cache_salt=cache_salt):
                 prompt += result.metrics.prompt_tokens
                 computed += result.metrics.prompt_tokens - result.metrics.cached_tokens
             bar.update(len(batch))

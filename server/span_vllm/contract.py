@@ -119,8 +119,8 @@ STAT_HELP: dict[str, str] = {
                         "the forward pass instead of waiting a step",
     "refused_hits": "cache hits given up (computed instead) for lack of a free block to copy to",
     "store_hit_blocks": "KV blocks loaded from the span store instead of computed",
-    "store_bad_blocks": "span store blocks found missing, truncated, corrupt or foreign "
-                        "when loaded (never used: computed anew)",
+    "store_bad_blocks": "span store blocks found missing, unreadable, truncated, corrupt "
+                        "or foreign when loaded (never used: computed anew)",
     "store_written_blocks": "KV blocks written to the span store",
     "store_write_errors": "span store writes that failed (disk full or read-only)",
 }

@@ -315,12 +315,17 @@ def _clearing_groups(update: Any) -> Any:
         return update(self, *args, **kwargs)
 
     update_metadata._span_wrapped = True  # type: ignore[attr-defined]
+    update_metadata.__span_original__ = update  # type: ignore[attr-defined]
     return update_metadata
 
 
 def install() -> bool:
     """Point ``PunicaWrapperCPU`` at these ops and :func:`add_lora_linear` (idempotent);
-    ``False`` if this vLLM has no CPU punica wrapper or it no longer imports the ops by name."""
+    ``False`` if this vLLM has no CPU punica wrapper or it no longer imports the ops by name.
+
+    For the CPU platform only (the plugin calls it there alone): it also replaces
+    ``BaseLinearLayerWithLoRA._apply_sync``, shared by every platform, whose per-step token
+    groups only ``PunicaWrapperCPU.update_metadata`` clears."""
     try:
         from vllm.lora.punica_wrapper import punica_cpu
     except ImportError:  # pragma: no cover - a vLLM build without LoRA

@@ -24,6 +24,9 @@ Each patch wraps one vLLM function by name (no fork):
 * ``CpuPlatform.check_and_update_config`` → a one-worker engine core on CPU keeps its worker
   in its own process (:func:`_patch_cpu_executor`).
 
+The last two, and the malloc thresholds below, are CPU-only: they are installed only where
+vLLM's ``current_platform.is_cpu()``, so on a GPU vLLM's own LoRA kernels and executor run.
+
 Not a patch of vLLM: on CPU, glibc's malloc thresholds are fixed in the engine process, so
 each step's activations reuse the heap (:mod:`cpu_memory`).
 
@@ -168,7 +171,12 @@ def _patch_cpu_executor() -> None:
     core's scheduler beside it, which is how an in-process engine (``uni``) already runs, so
     a one-worker engine core here keeps ``uni``: the worker runs in the engine-core process.
     :data:`contract.CPU_EXECUTOR_ENV` ``=mp`` keeps vLLM's choice; an executor asked for
-    explicitly, or more than one worker, is left as vLLM decides."""
+    explicitly, or more than one worker, is left as vLLM decides. Installed on the CPU
+    platform only."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
     from vllm.platforms.cpu import CpuPlatform
 
     def make(original: Callable) -> Callable:
@@ -187,7 +195,16 @@ def _patch_cpu_executor() -> None:
 
 def _patch_lora() -> None:
     """Grouped LoRA ops for the CPU punica wrapper (:mod:`span_vllm.lora_cpu`): faster, and
-    "no adapter" tokens stay on the base weights in a batch that mixes both."""
+    "no adapter" tokens stay on the base weights in a batch that mixes both.
+
+    Installed on the CPU platform only: :func:`lora_cpu.install` also replaces
+    ``BaseLinearLayerWithLoRA._apply_sync`` (every platform's LoRA layers), whose per-step
+    token groups only ``PunicaWrapperCPU.update_metadata`` clears; on any other platform they
+    would go stale, and vLLM's own LoRA kernels are the ones to run there."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
     from span_vllm import lora_cpu
 
     lora_cpu.install()

@@ -7,16 +7,23 @@ digest) and ``namespace`` digests everything else the bytes depend on: the model
 the block size, the KV cache's dtype and per-block shape, and this format's version. A changed
 model, adapter or tenant therefore never reads another's blocks: its keys differ.
 
-A file holds a header (magic, JSON: position, dtype, shape, xxh3-64 checksum of the payload)
-and the payload: the block's K and V in every layer, exactly as the KV cache holds them, keys
-rotated for the position the block was computed at (the header's ``position``; the loader
-rotates them to where the reader needs them, as for any cached block).
+A file (format :data:`FORMAT_VERSION`) is ``MAGIC``, an xxh3-64 checksum, the header's length
+(``u32``), the header (JSON: format, namespace, key, position, dtype, shape) and the payload:
+the block's K and V in every layer, exactly as the KV cache holds them, keys rotated for the
+position the block was computed at (the header's ``position``; the loader rotates them to where
+the reader needs them, as for any cached block). The checksum covers everything after it — the
+header's length, the header and the payload — so a changed ``position`` digit is a corrupt
+file, not keys rotated for the wrong position; the header's namespace must be the reader's, so
+a file of another model or layout placed under the same key is foreign.
 
 Guarantees:
 
 * **Never wrong bytes.** :meth:`SpanStore.read_into` returns ``None`` for a missing,
-  truncated, corrupt or foreign file (wrong magic, key, shape, dtype or checksum), counts why
-  and removes an unsound file; the caller then computes the block (and writes it anew).
+  truncated, corrupt or foreign file (wrong magic or format, namespace, key, shape, dtype or
+  checksum), counts why and removes such an unsound file; the caller then computes the block
+  (and writes it anew). A file that cannot be opened or read right now (no permission, no
+  file descriptor left, an I/O error) is a miss too, but says nothing about its content: it is
+  counted as unreadable and left in place.
 * **Atomic writes.** A block is written to a temporary file in its directory and renamed into
   place (``os.replace``): readers see the whole file or none, two engines writing the same
   block at once leave one whole copy, and a writer killed mid-write leaves only a temporary
@@ -43,9 +50,13 @@ from typing import Any
 import torch
 import xxhash
 
-MAGIC = b"SPANKV1\n"
-FORMAT_VERSION = 1
+#: Every format version's magic starts so; this one's ends with its version.
+_MAGIC_STEM = b"SPANKV"
+FORMAT_VERSION = 2
+MAGIC = _MAGIC_STEM + str(FORMAT_VERSION).encode() + b"\n"
 SUFFIX = ".kv"
+#: xxh3-64 of everything after it (header length, header, payload)
+_CHECKSUM = struct.Struct("<Q")
 _HEADER_LEN = struct.Struct("<I")
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
                                torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)}
@@ -86,6 +97,8 @@ class StoreStats:
     read_blocks: int = 0
     missing_blocks: int = 0
     bad_blocks: int = 0
+    #: files there that could not be opened or read (left in place: their content is unknown)
+    unreadable_blocks: int = 0
     written_blocks: int = 0
     evicted_blocks: int = 0
     read_bytes: int = 0
@@ -103,6 +116,8 @@ class SpanStore:
 
     def __init__(self, root: str | Path, space: str, *, max_bytes: int | None = None) -> None:
         self.root = Path(root).expanduser()
+        #: the namespace (:func:`namespace`): the directory name, recorded in every header
+        self.space = space
         self.directory = self.root / space
         self.directory.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
@@ -117,14 +132,17 @@ class SpanStore:
         return self.directory / name[:2] / (name + SUFFIX)
 
     def has(self, key: bytes) -> bool:
-        """Whether a file for ``key`` exists (not yet whether it is sound: :meth:`read` says)."""
-        return self.path(key).is_file()
+        """Whether a file for ``key`` exists and this process may read it (not yet whether it
+        is sound: :meth:`read` says). A file without read permission is left on disk but not
+        offered, so its block is computed instead of promised and failed on every try."""
+        path = self.path(key)
+        return path.is_file() and os.access(path, os.R_OK)
 
     # -- reading -------------------------------------------------------------------------------
     def read(self, key: bytes, shape: tuple[int, ...], dtype: torch.dtype
              ) -> tuple[int, torch.Tensor] | None:
         """``(position, payload)`` of the block ``key`` (payload of ``shape`` and ``dtype``), or
-        ``None`` where the file is missing or not sound (counted in :attr:`stats`)."""
+        ``None`` where the file is missing, unreadable or not sound (as :meth:`read_into`)."""
         payload = torch.empty(shape, dtype=dtype)
         position = self.read_into(key, list(payload.unbind(0)))
         return None if position is None else (position, payload)
@@ -132,54 +150,34 @@ class SpanStore:
     def read_into(self, key: bytes, layers: list[torch.Tensor]) -> int | None:
         """Read the block ``key`` straight into ``layers`` (one contiguous CPU tensor per
         layer, in the payload's order: a KV cache's blocks) and return the position its keys
-        are rotated for; ``None`` where the file is missing or not sound (counted in
-        :attr:`stats`). After ``None`` the tensors may hold part of the file: the caller must
-        not use them (the loader has vLLM recompute the block). An unsound file is removed, so
-        the block is computed and written anew."""
-        position = self._read_into(key, layers)
-        if position is None and self.path(key).is_file():
-            _unlink(str(self.path(key)))  # unsound: removed, so it is computed and written anew
-        return position
+        are rotated for; ``None`` where the file is missing, cannot be opened or read, or is
+        not sound (counted in :attr:`stats`). After ``None`` the tensors may hold part of the
+        file: the caller must not use them (the loader has vLLM recompute the block).
 
-    def _read_into(self, key: bytes, layers: list[torch.Tensor]) -> int | None:
+        Only a file whose content is wrong is removed (so the block is computed and written
+        anew), and only if it is still the file that was read; one that could not be opened
+        or read (``OSError``: permissions, file descriptors, I/O) is left as it is."""
         path = self.path(key)
-        shape = (len(layers), *layers[0].shape)
-        dtype = layers[0].dtype
         try:
             f = open(path, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:
             self.stats.missing_blocks += 1
             return None
         except OSError:
-            self.stats.bad("unreadable")
+            self.stats.unreadable_blocks += 1
             return None
         with f:
-            head = f.read(len(MAGIC) + _HEADER_LEN.size)
-            if len(head) < len(MAGIC) + _HEADER_LEN.size or not head.startswith(MAGIC):
-                self.stats.bad("not a span store block")
+            try:
+                checked = self._check(f, key, layers)
+                opened = os.fstat(f.fileno())
+            except OSError:
+                self.stats.unreadable_blocks += 1
                 return None
-            (length,) = _HEADER_LEN.unpack_from(head, len(MAGIC))
-            header = _header(f.read(length), key, shape, dtype)
-            if isinstance(header, str):
-                self.stats.bad(header)
-                return None
-            position, checksum = header
-            digest = xxhash.xxh3_64()
-            size = 0
-            for layer in layers:
-                target = memoryview(layer.view(torch.uint8).numpy()).cast("B")
-                got = f.readinto(target)
-                if got != len(target):
-                    self.stats.bad("truncated")
-                    return None
-                digest.update(target)
-                size += got
-            if f.read(1):
-                self.stats.bad("longer than its header says")
-                return None
-        if digest.hexdigest() != checksum:
-            self.stats.bad("checksum mismatch")
+        if isinstance(checked, str):
+            self.stats.bad(checked)
+            _unlink_if_same(path, opened)
             return None
+        position, size = checked
         try:
             os.utime(path)  # recently used: the last to be evicted
         except OSError:
@@ -187,6 +185,40 @@ class SpanStore:
         self.stats.read_blocks += 1
         self.stats.read_bytes += size
         return position
+
+    def _check(self, f: Any, key: bytes, layers: list[torch.Tensor]) -> tuple[int, int] | str:
+        """``(position, payload bytes)`` of the open block file ``f``, its payload read into
+        ``layers``, or why it is not block ``key`` of this namespace (``OSError`` passes)."""
+        shape = (len(layers), *layers[0].shape)
+        dtype = layers[0].dtype
+        preamble = len(MAGIC) + _CHECKSUM.size + _HEADER_LEN.size
+        head = f.read(preamble)
+        if len(head) < preamble or not head.startswith(MAGIC):
+            return ("another format version" if head.startswith(_MAGIC_STEM)
+                    else "not a span store block")
+        (checksum,) = _CHECKSUM.unpack_from(head, len(MAGIC))
+        (length,) = _HEADER_LEN.unpack_from(head, len(MAGIC) + _CHECKSUM.size)
+        data = f.read(length)
+        if len(data) != length:
+            return "truncated"
+        digest = xxhash.xxh3_64(head[len(MAGIC) + _CHECKSUM.size:])
+        digest.update(data)
+        header = _header(data, self.space, key, shape, dtype)
+        if isinstance(header, str):
+            return header
+        size = 0
+        for layer in layers:
+            target = memoryview(layer.view(torch.uint8).numpy()).cast("B")
+            got = f.readinto(target)
+            if got != len(target):
+                return "truncated"
+            digest.update(target)
+            size += got
+        if f.read(1):
+            return "longer than its header says"
+        if digest.intdigest() != checksum:
+            return "checksum mismatch"
+        return header, size
 
     # -- writing -------------------------------------------------------------------------------
     def write(self, key: bytes, position: int, payload: torch.Tensor) -> bool:
@@ -197,14 +229,20 @@ class SpanStore:
             return False
         payload = payload.detach().contiguous().cpu()
         raw = payload.view(torch.uint8).numpy().tobytes() if payload.numel() else b""
-        header = json.dumps({"key": key.hex(), "position": int(position),
-                             "dtype": str(payload.dtype), "shape": list(payload.shape),
-                             "xxh3": xxhash.xxh3_64_hexdigest(raw)}).encode()
+        header = json.dumps({"format": FORMAT_VERSION, "namespace": self.space,
+                             "key": key.hex(), "position": int(position),
+                             "dtype": str(payload.dtype),
+                             "shape": list(payload.shape)}).encode()
+        length = _HEADER_LEN.pack(len(header))
+        digest = xxhash.xxh3_64(length)
+        digest.update(header)
+        digest.update(raw)
+        checksum = _CHECKSUM.pack(digest.intdigest())
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header + raw)
+                f.write(MAGIC + checksum + length + header + raw)
             os.replace(tmp, path)
         except BaseException:
             try:
@@ -212,7 +250,7 @@ class SpanStore:
             except OSError:
                 pass
             raise
-        size = len(MAGIC) + _HEADER_LEN.size + len(header) + len(raw)
+        size = len(MAGIC) + len(checksum) + len(length) + len(header) + len(raw)
         self.stats.written_blocks += 1
         self.stats.written_bytes += size
         self._grow(size)
@@ -269,29 +307,46 @@ class SpanStore:
         return total
 
 
-def _header(data: bytes, key: bytes, shape: tuple[int, ...], dtype: torch.dtype
-            ) -> tuple[int, str] | str:
-    """``(position, checksum)`` from a block's header, or why the file is not this block."""
+def _header(data: bytes, space: str, key: bytes, shape: tuple[int, ...], dtype: torch.dtype
+            ) -> int | str:
+    """The position from a block's header, or why the file is not block ``key`` of namespace
+    ``space`` with this ``shape`` and ``dtype``."""
     try:
         header = json.loads(data)
         position = int(header["position"])
         stored_shape = tuple(int(n) for n in header["shape"])
         stored_dtype = _DTYPES[header["dtype"]]
-        checksum = str(header["xxh3"])
         stored_key = str(header["key"])
-    except (ValueError, KeyError, TypeError):
+        stored_space = str(header["namespace"])
+        stored_format = int(header["format"])
+    except (ValueError, KeyError, TypeError, AttributeError):
         return "bad header"
+    if stored_format != FORMAT_VERSION:
+        return "another format version"
+    if stored_space != space:
+        return "another namespace"
     if stored_key != key.hex():
         return "another block's file"
     if stored_shape != tuple(shape) or stored_dtype != dtype:
         return "another layout"
-    return position, checksum
+    return position
 
 
 def _now() -> float:
     import time
 
     return time.time()
+
+
+def _unlink_if_same(path: Path, read: os.stat_result) -> None:
+    """Remove the unsound file at ``path`` if it is still the one that was read (``read``: its
+    ``fstat``), not a sound one a writer renamed into place meanwhile."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return
+    if (now.st_dev, now.st_ino) == (read.st_dev, read.st_ino):
+        _unlink(str(path))
 
 
 def _unlink(path: str) -> bool:

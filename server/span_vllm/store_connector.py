@@ -52,6 +52,7 @@ from span_vllm.contract import ORDERED
 from span_vllm.hashing import request_layout
 from span_vllm.stats import STATS
 from span_vllm.store import SpanStore, model_identity, namespace
+from span_vllm.support import refuse, store_problems
 
 #: The scheduler-side connector of this process (the plugin's hooks report to it), if any.
 _SCHEDULER: list[SpanStoreConnector] = []
@@ -71,7 +72,10 @@ class SpanStoreMetadata(KVConnectorMetadata):
 
 def store_for(vllm_config: Any, kv_cache_config: Any) -> tuple[SpanStore, bool]:
     """The store a connector of this engine opens (same namespace in every process), and
-    whether it writes."""
+    whether it writes. Raises :class:`~span_vllm.support.UnsupportedModelError` where the
+    configuration cannot share a store exactly (:func:`~span_vllm.support.store_problems`:
+    more than one tensor/pipeline rank, a per-process random first block hash)."""
+    refuse(store_problems(vllm_config), "span store")  # before a rank opens anything
     transfer = vllm_config.kv_transfer_config
     extra = dict(transfer.kv_connector_extra_config or {})
     if not extra.get("path"):

@@ -5,7 +5,9 @@ That is exact only for a model whose KV cache is one group of full-attention lay
 K/V pages (float, or fp8 with one scale per layer), on one sequence shard. Everything else is
 refused with an :class:`UnsupportedModelError` that says what and why, from
 
-* :func:`engine_problems` — the engine's configuration (``Scheduler.__init__``);
+* :func:`engine_problems` — the engine's configuration (``Scheduler.__init__``), including
+  :func:`store_problems`, what the span store needs (also checked by the store's connector
+  before it opens the store, in every worker);
 * :func:`kv_cache_problems` — the KV cache configuration (``KVCacheManager.__init__``), as soon
   as vLLM knows it, before a block is handed out;
 * the worker check (:mod:`span_vllm.worker`) — layout, attention backend, RoPE — when the
@@ -17,6 +19,7 @@ assert them one by one; :func:`refuse` raises with all of them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +33,11 @@ ADVICE = ("serve this model without span mode (unset SPAN_VLLM), or pick a model
 
 #: KV cache quantization modes whose keys the rotator can decode and re-encode.
 SUPPORTED_QUANT_MODES = ("NONE", "FP8_PER_TENSOR")
+
+#: ``--prefix-caching-hash-algo`` values for which vLLM 0.32 seeds the first block's parent
+#: hash (``NONE_HASH``) at random in every process unless ``PYTHONHASHSEED`` is set (its
+#: ``kv_cache_utils._NON_CRYPTO_HASH_FUNCTIONS``).
+RANDOM_FIRST_HASH_ALGOS = ("xxhash", "xxhash_cbor")
 
 
 class UnsupportedModelError(RuntimeError):
@@ -52,7 +60,7 @@ def refuse(problems: Sequence[str], stage: str) -> None:
 
 def engine_problems(vllm_config: Any) -> list[str]:
     """Engine features that move or fill KV blocks behind the span position tracker."""
-    problems = []
+    problems = store_problems(vllm_config)
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     if transfer is not None and getattr(transfer, "kv_connector", None) != STORE_CONNECTOR:
         problems.append("a KV connector (--kv-transfer-config) loads KV blocks computed "
@@ -80,6 +88,40 @@ def engine_problems(vllm_config: Any) -> list[str]:
             problems.append("multimodal RoPE (MRoPE): positions are not token indices")
         if getattr(model, "is_encoder_decoder", False):
             problems.append("encoder-decoder models keep cross-attention KV")
+    return problems
+
+
+def store_problems(vllm_config: Any) -> list[str]:
+    """What keeps the span store (:data:`STORE_CONNECTOR`) of this engine configuration from
+    being exact and shared (empty without a store):
+
+    * more than one tensor or pipeline parallel rank: each rank holds its own slice of a
+      block's KV (its heads, or its layers) while a store file is named by the block hash
+      alone, so ranks would overwrite and read each other's slices;
+    * a prefix hash whose first parent (vLLM's ``NONE_HASH``) is random per process
+      (:data:`RANDOM_FIRST_HASH_ALGOS` without ``PYTHONHASHSEED``): no other process would
+      ever find this one's blocks."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None or getattr(transfer, "kv_connector", None) != STORE_CONNECTOR:
+        return []
+    problems = []
+    parallel = getattr(vllm_config, "parallel_config", None)
+    sizes = {flag: int(getattr(parallel, name, 1) or 1) for name, flag in (
+        ("tensor_parallel_size", "--tensor-parallel-size"),
+        ("pipeline_parallel_size", "--pipeline-parallel-size"))}
+    if any(size > 1 for size in sizes.values()):
+        given = ", ".join(f"{flag} {size}" for flag, size in sizes.items() if size > 1)
+        problems.append(f"the span store (--span-store) with more than one rank ({given}): "
+                        "each rank holds a slice of a block's KV and a store file is keyed by "
+                        "the block alone; serve a span store on one GPU, or drop the store")
+    cache = getattr(vllm_config, "cache_config", None)
+    algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+    if algo in RANDOM_FIRST_HASH_ALGOS and os.environ.get("PYTHONHASHSEED") is None:
+        problems.append(f"the span store (--span-store) with --prefix-caching-hash-algo {algo}: "
+                        "vLLM seeds the first block hash at random in every process for it, so "
+                        "no other process would ever find a stored block; use sha256 (the "
+                        "default) or sha256_cbor, or set PYTHONHASHSEED to one value for every "
+                        "engine sharing the store")
     return problems
 
 

@@ -7,9 +7,13 @@ evicts the least recently used blocks first; the namespace separates models and 
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import multiprocessing
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -17,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
+import span_vllm.store as store_module
 from span_vllm.store import SpanStore, model_identity, namespace
 
 SHAPE = (3, 2, 4, 8)  # layers, heads, block size, 2 x head size
@@ -70,7 +76,7 @@ def test_a_damaged_file_is_a_miss_and_counted(tmp_path: Path, damage: str) -> No
     elif damage == "garbage":
         data = bytearray(os.urandom(len(data)))
     else:
-        data[len(b"SPANKV1\n") + 6] = ord("}")
+        data[data.index(b'{"')] = ord("}")  # the header's JSON broken
     path.write_bytes(bytes(data))
     assert read(store, key(3)) is None
     assert store.stats.bad_blocks == 1, store.stats.reasons
@@ -178,3 +184,89 @@ def test_a_model_is_named_by_its_manifest_or_its_files(tmp_path: Path) -> None:
     assert model_identity(tmp_path) != plain
     (tmp_path / "span-workflows-manifest.json").write_text('{"files": {"a": "1"}}')
     assert model_identity(tmp_path) == {"files": {"a": "1"}}
+
+
+def test_a_changed_position_in_the_header_is_a_miss(tmp_path: Path) -> None:
+    """The header is under the checksum: a changed ``position`` digit would rotate the keys
+    for the wrong position, so the file is a miss (and removed), not a wrong answer."""
+    store = SpanStore(tmp_path, "ns")
+    store.write(key(9), 96, block(9))
+    path = store.path(key(9))
+    data = path.read_bytes()
+    assert data.count(b'"position": 96') == 1
+    path.write_bytes(data.replace(b'"position": 96', b'"position": 97'))
+    assert read(store, key(9)) is None
+    assert store.stats.reasons == {"checksum mismatch": 1}
+    assert not store.has(key(9))
+
+
+def test_a_file_from_another_namespace_under_the_same_key_is_a_miss(tmp_path: Path) -> None:
+    """The header records the namespace: another model's block copied under the same key
+    passes no check."""
+    mine, theirs = SpanStore(tmp_path, "ns-mine"), SpanStore(tmp_path, "ns-theirs")
+    theirs.write(key(10), 0, block(10))
+    mine.path(key(10)).parent.mkdir(parents=True, exist_ok=True)
+    mine.path(key(10)).write_bytes(theirs.path(key(10)).read_bytes())
+    assert read(mine, key(10)) is None
+    assert mine.stats.reasons == {"another namespace": 1}
+    assert read(theirs, key(10)) is not None  # where it belongs, it still loads
+
+
+def test_a_file_of_the_previous_format_is_a_miss(tmp_path: Path) -> None:
+    """A file written by format 1 (payload-only checksum, no namespace) is a miss, not an
+    error; the format's version is part of the namespace, so such files are not even found
+    where a store of this format looks."""
+    store = SpanStore(tmp_path, "ns")
+    payload = block(11)
+    raw = payload.numpy().tobytes()
+    header = json.dumps({"key": key(11).hex(), "position": 0, "dtype": "torch.float32",
+                         "shape": list(SHAPE), "xxh3": xxhash.xxh3_64_hexdigest(raw)}).encode()
+    store.path(key(11)).parent.mkdir(parents=True, exist_ok=True)
+    old_file = b"SPANKV1\n" + struct.pack("<I", len(header)) + header + raw
+    store.path(key(11)).write_bytes(old_file)
+    assert read(store, key(11)) is None and store.stats.bad_blocks == 1
+    assert store_module.FORMAT_VERSION > 1
+    model = {"files": {"model.safetensors": "ab"}}
+    old = json.dumps({"format": 1, "model": model, "block_size": 32, "dtype": "torch.float32",
+                      "block_shape": [30, 3, 64, "cpu"]}, sort_keys=True)
+    assert namespace(model, 32, torch.float32, (30, 3, 64, "cpu")) != (
+        hashlib.sha256(old.encode()).hexdigest()[:32])
+
+
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"),
+                                   OSError(errno.EMFILE, "Too many open files")])
+def test_a_file_that_cannot_be_opened_is_a_miss_and_stays(tmp_path: Path, monkeypatch,
+                                                          error: OSError) -> None:
+    """Only a file whose content is wrong is removed: one that cannot be opened now (no
+    permission, no file descriptor left) is a miss and loads once it can be opened again."""
+    store = SpanStore(tmp_path, "ns")
+    payload = block(12)
+    store.write(key(12), 64, payload)
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(store_module, "open", refuse, raising=False)
+    assert read(store, key(12)) is None
+    assert store.has(key(12))
+    assert store.stats.bad_blocks == 0 and store.stats.unreadable_blocks == 1
+    monkeypatch.undo()
+    position, back = read(store, key(12))
+    assert position == 64 and torch.equal(back, payload)
+
+
+def test_a_file_without_read_permission_is_not_offered_and_stays(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """The scheduler asks :meth:`SpanStore.has` before it promises a block: a file this
+    process may not read is not offered (its block is computed, not promised and failed on
+    every retry), and it is left on disk."""
+    store = SpanStore(tmp_path, "ns")
+    store.write(key(13), 0, block(13))
+    path = store.path(key(13))
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: (
+        False if Path(p) == path else real(p, mode, **kw)))
+    assert not store.has(key(13)) and path.is_file()
+    assert not store.write(key(13), 0, block(13))  # the file there is left alone
+    monkeypatch.undo()
+    assert store.has(key(13)) and read(store, key(13)) is not None

@@ -140,6 +140,84 @@ def test_the_scheduler_refuses_a_kv_connector_before_building_anything(monkeypat
         Scheduler(config, _config(_full()), None, BLOCK)
 
 
+
+def _store_config(tmp_path, *, tp: int = 1, pp: int = 1, algo: str = "sha256"):
+    """An engine configuration with the span store (only what the checks read)."""
+    from span_vllm.contract import store_transfer_config
+
+    transfer = types.SimpleNamespace(**store_transfer_config(tmp_path / "store"))
+    return types.SimpleNamespace(
+        kv_transfer_config=transfer,
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp,
+                                              pipeline_parallel_size=pp,
+                                              world_size=tp * pp),
+        cache_config=types.SimpleNamespace(prefix_caching_hash_algo=algo, block_size=BLOCK),
+        model_config=types.SimpleNamespace(model=str(tmp_path / "model"), uses_mrope=False,
+                                           is_encoder_decoder=False),
+        device_config=types.SimpleNamespace(device_type="cuda"),
+    )
+
+
+@pytest.mark.parametrize(("tp", "pp", "flag"), [(2, 1, "--tensor-parallel-size 2"),
+                                                (1, 2, "--pipeline-parallel-size 2"),
+                                                (4, 2, "--tensor-parallel-size 4")])
+def test_the_span_store_is_refused_under_tensor_or_pipeline_parallelism(
+        tmp_path, tp: int, pp: int, flag: str) -> None:
+    """Each rank holds its own slice of a block's KV (heads or layers) while a store file is
+    named by the block hash alone: ranks would overwrite and read each other's slices. The
+    store is refused at start on more than one rank (and allowed on one)."""
+    assert engine_problems(_store_config(tmp_path)) == []
+    problems = engine_problems(_store_config(tmp_path, tp=tp, pp=pp))
+    assert len(problems) == 1 and "span store" in problems[0] and flag in problems[0]
+    config = _store_config(tmp_path, tp=tp, pp=pp)
+    config.kv_transfer_config = None  # without a store, tensor/pipeline parallelism is fine
+    assert engine_problems(config) == []
+
+
+def test_two_ranks_never_open_one_store(tmp_path) -> None:
+    """The connector itself (built in every worker, before the scheduler's check) refuses to
+    open a store on more than one rank: no rank writes a slice another reads."""
+    from span_vllm.store_connector import store_for
+
+    kv_cache_config = _config(_full())
+    store, writes = store_for(_store_config(tmp_path), kv_cache_config)
+    assert writes and store.directory.is_dir()
+    with pytest.raises(UnsupportedModelError, match="tensor-parallel-size 2"):
+        store_for(_store_config(tmp_path / "tp", tp=2), kv_cache_config)
+    assert not (tmp_path / "tp" / "store").exists()
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_the_span_store_is_refused_where_vllms_first_hash_is_random(
+        tmp_path, monkeypatch, algo: str) -> None:
+    """With a non-cryptographic prefix hash vLLM seeds its first block's parent (NONE_HASH)
+    at random in every process unless PYTHONHASHSEED is set: another process would never find
+    a stored block. Refused at start, naming the option; allowed with PYTHONHASHSEED set."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    problems = engine_problems(_store_config(tmp_path, algo=algo))
+    assert len(problems) == 1
+    assert f"--prefix-caching-hash-algo {algo}" in problems[0]
+    assert "PYTHONHASHSEED" in problems[0]
+    assert engine_problems(_store_config(tmp_path, algo="sha256")) == []
+    assert engine_problems(_store_config(tmp_path, algo="sha256_cbor")) == []
+    config = _store_config(tmp_path, algo=algo)
+    config.kv_transfer_config = None
+    assert engine_problems(config) == []  # without a store nothing crosses processes
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert engine_problems(_store_config(tmp_path, algo=algo)) == []
+
+
+def test_the_random_first_hash_algorithms_are_vllms() -> None:
+    """The plugin's list of algorithms with a per-process random NONE_HASH is vLLM's."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    from span_vllm.support import RANDOM_FIRST_HASH_ALGOS
+
+    assert {get_hash_fn_by_name(name) for name in RANDOM_FIRST_HASH_ALGOS} == set(
+        kv_cache_utils._NON_CRYPTO_HASH_FUNCTIONS)
+
+
 class _Recorder:
     """A worker rotation that records what it was asked to rotate, and the cache then."""
 

@@ -104,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--stock", action="store_true", help="run as plain chat prompts (baseline)")
     run.add_argument("--block-size", type=int, default=32,
                      help="KV block size of the embedded engine (default: 32)")
+    run.add_argument("--span-store", type=Path, default=None,
+                     help="the embedded engine keeps span blocks in this directory beyond "
+                          "the KV cache and across runs (see `span-workflows index`)")
+    run.add_argument("--span-store-gib", type=float, default=None,
+                     help="cap the span store at this size (least recently used go first)")
     _add_bulk_options(run)
     run.set_defaults(func=_cmd_run)
 
@@ -125,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--batch-size", type=int, default=8,
                        help="documents computed together (default: 8)")
     index.add_argument("--model", help="bundled name or local HF model directory")
+    index.add_argument("--cache-salt", default=None,
+                       help="the tenant's cache_salt its queries run with (spans are keyed by "
+                            "it; default: none)")
     index.set_defaults(func=_cmd_index)
 
     comp = sub.add_parser("compile", help="print the optimized tree and token form",
@@ -461,6 +469,7 @@ def _cmd_run_bulk(args: argparse.Namespace) -> int:
     if args.max_in_flight < 1:
         raise SpanQueryError("--max-in-flight", "must be at least 1")
     read_queries(args.bulk)  # a missing or unreadable file is one line, before any engine
+    store, gib = _run_store(args)
     options = {"schedule": args.schedule, "max_in_flight": args.max_in_flight}
     model = None if args.model is None or _is_default(args.model) else args.model
     if args.server:
@@ -470,6 +479,9 @@ def _cmd_run_bulk(args: argparse.Namespace) -> int:
         report = run_bulk_file(lambda lines: server.iter_bulk(lines, **options), args.bulk,
                                args.out)
     elif args.replicas is not None or args.ray_address:
+        if store is not None:
+            raise SpanQueryError("--span-store", "not available with --replicas or "
+                                                 "--ray-address (the actors keep no store)")
         from span_workflows.scaleout.bulk import BulkOptions, run_bulk_on_ray
 
         try:
@@ -496,7 +508,8 @@ def _cmd_run_bulk(args: argparse.Namespace) -> int:
         with engine_loading():
             engine = Engine(model, block_size=args.block_size, progress=True,
                             load_progress=args.verbose, kv_cache_gib=args.kv_cache_gib,
-                            kv_cache_blocks=args.kv_cache_blocks)
+                            kv_cache_blocks=args.kv_cache_blocks, span_store=store,
+                            span_store_gib=gib)
         with engine:
             report = run_bulk_file(lambda lines: engine.iter_bulk(lines, **options),
                                    args.bulk, args.out)
@@ -511,6 +524,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SpanQueryError("run", "no query files (give JSON files, or --bulk QUERIES.jsonl "
                                     "--out ANSWERS.jsonl)")
     queries = load_queries(args.files)
+    store, gib = _run_store(args)
     if args.server:
         from span_workflows.serving.client import SpanServer
 
@@ -529,7 +543,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         with engine_loading():
             engine = Engine(None if model is None or _is_default(model) else model,
                             block_size=args.block_size, progress=True,
-                            load_progress=args.verbose)
+                            load_progress=args.verbose, span_store=store, span_store_gib=gib)
         with engine:
             results = []
             for q in queries:  # in order: later queries see what earlier ones cached
@@ -545,17 +559,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_store(args: argparse.Namespace) -> tuple[Path | None, float | None]:
+    """``run``'s ``--span-store`` and ``--span-store-gib`` for its embedded engine, checked
+    before anything starts: a ``--server`` keeps its own store (``serve --span-store``)."""
+    if args.server and args.span_store is not None:
+        raise SpanQueryError("--span-store", "the server keeps its own store (start it with "
+                                             "`span-workflows serve --span-store DIR`)")
+    return args.span_store, _store_gib(args.span_store, args.span_store_gib,
+                                       "--span-store-gib")
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
 
     from span_workflows.compile import Compiler
-    from span_workflows.model import resolve_model
+    from span_workflows.model import load_tokenizer
     from span_workflows.optimize import optimize
     from span_workflows.pretty import pretty
 
     queries = load_queries(args.files)
     model, queries = pick_model(queries, args.model)
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    tokenizer = load_tokenizer(model, progress=True)
     compiler = Compiler.for_tokenizer(tokenizer, args.block_size)
     for path, query in zip(args.files, queries, strict=False):
         tree = optimize(query)
@@ -647,6 +670,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise SpanQueryError("--batch-size", f"must be at least 1, got {args.batch_size}")
     gib = _store_gib(args.store, args.store_gib, "--store-gib")
+    if args.cache_salt is not None and not args.cache_salt:
+        raise SpanQueryError("--cache-salt", "must be a non-empty string")
     from span_workflows.apps.cli.progress import engine_loading
     from span_workflows.engine import Engine
 
@@ -655,7 +680,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
                         progress=True, load_progress=args.verbose, span_store=args.store,
                         span_store_gib=gib)
     with engine:
-        report = index_documents(engine, docs, args.system, batch_size=args.batch_size)
+        report = index_documents(engine, docs, args.system, batch_size=args.batch_size,
+                                 cache_salt=args.cache_salt)
     print(f"indexed {report.documents} documents into {args.store}: "
           f"{report.computed_tokens} of {report.prompt_tokens} prompt tokens computed, "
           f"{report.seconds:.1f} s")

@@ -53,3 +53,70 @@ def test_corpus_lines_are_strings_or_objects_with_a_source(tmp_path: Path) -> No
     docs = read_corpus(corpus)
     assert [d.text for d in docs] == ["plain text", "with a source"]
     assert [d.source for d in docs] == ["", "a.md"]
+
+
+class _Metrics:
+    prompt_tokens, cached_tokens = 10, 4
+
+
+class _FakeEngine:
+    """What ``index_documents`` uses of an engine: its router and ``execute_many``."""
+
+    router = type("Router", (), {"span_adapter": None})()
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def execute_many(self, queries, **kwargs):
+        self.calls.append({"queries": len(queries), **kwargs})
+        return [type("Result", (), {"metrics": _Metrics()})() for _ in queries]
+
+
+def test_index_documents_runs_under_the_tenants_cache_salt() -> None:
+    """A tenant with a ``cache_salt`` indexes its own spans: its queries' blocks are keyed by
+    the salt, so the indexing queries carry it too."""
+    from span_workflows.span_store import index_documents
+
+    engine = _FakeEngine()
+    report = index_documents(engine, ["a", "b", "c"], "sys", batch_size=2, progress=False,
+                             cache_salt="tenant-a")
+    assert [c["cache_salt"] for c in engine.calls] == ["tenant-a", "tenant-a"]
+    assert report.documents == 3 and report.computed_tokens == 18
+    index_documents(engine, ["a"], "sys", progress=False)
+    assert engine.calls[-1]["cache_salt"] is None
+
+
+def test_index_takes_a_cache_salt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  capsys) -> None:
+    import span_workflows.engine as engine_module
+    import span_workflows.span_store as span_store
+
+    built: dict = {}
+    indexed: dict = {}
+
+    class Recorder:
+        def __init__(self, model=None, **kwargs) -> None:
+            built.update(model=model, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    def index_documents(engine, docs, system, **kwargs):
+        indexed.update(engine=engine, docs=len(docs), system=system, **kwargs)
+        return span_store.IndexReport(len(docs), 1, 1, 0.0)
+
+    monkeypatch.setattr(engine_module, "Engine", Recorder)
+    monkeypatch.setattr(span_store, "index_documents", index_documents)
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('"one"\n"two"\n')
+    store = tmp_path / "s"
+    assert cli.main(["index", str(corpus), "--store", str(store), "--cache-salt", "tenant-a"]) == 0
+    assert indexed["cache_salt"] == "tenant-a" and indexed["docs"] == 2
+    assert built["span_store"] == store
+    assert cli.main(["index", str(corpus), "--store", str(store)]) == 0
+    assert indexed["cache_salt"] is None
+    assert cli.main(["index", str(corpus), "--store", str(store), "--cache-salt", ""]) == 2
+    assert "--cache-salt: must be a non-empty string" in capsys.readouterr().err
