@@ -20,13 +20,15 @@ class SpanQueryError(ValueError):
 
 
 class ModelNotAvailableError(SpanQueryError):
-    """The query names a model that is not installed here (pass ``--model`` to override)."""
+    """The query names a model that is not installed here (pass ``--model`` to override);
+    ``remedy`` replaces that advice where something else is missing."""
 
-    def __init__(self, name: str, path: str = "model") -> None:
+    def __init__(self, name: str, path: str = "model", remedy: str | None = None) -> None:
         super().__init__(
             path,
-            f"model {name!r} is not available; pass --model PATH (a local Hugging Face model "
-            "directory) or --model smollm2-135m-instruct",
+            f"model {name!r} is not available; " + (
+                remedy or "pass --model PATH (a local Hugging Face model directory) or "
+                "--model smollm2-135m-instruct"),
         )
 
 

