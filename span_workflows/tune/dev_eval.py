@@ -8,7 +8,7 @@ documents being the fragments). Both are optimized, as the engine runs a span qu
 
 The forms (:data:`FORMS`), each a prompt for the model and greedy decoding after it:
 
-* ``"span"`` — the query compiled in span mode (with :data:`span_workflows.tune.train.
+* ``"span"`` — the query compiled in span mode (with :data:`span_workflows.tune.
   TRAINED_OPTIONS` unless told otherwise), its prompt computed exactly as
   :func:`~span_workflows.tune.forward.span_forward` computes it
   (:func:`~span_workflows.tune.forward.span_prompt_cache`), then decoded on that cache;
@@ -179,7 +179,7 @@ def dev_score(model: Any, tokenizer: Any, questions: Sequence[DevQuestion], *, f
               max_new_tokens: int = MAX_NEW_TOKENS, progress: bool = False) -> DevScore:
     """Greedy answers of ``model`` to ``questions`` in ``form`` (:data:`FORMS`) and how many
     are right (:func:`~span_workflows.tune.dev_set.is_correct`). ``block_size`` and
-    ``options`` (default :data:`~span_workflows.tune.train.TRAINED_OPTIONS`) lay out the span
+    ``options`` (default :data:`~span_workflows.tune.TRAINED_OPTIONS`) lay out the span
     form. Runs without gradients in eval mode; a model that was training is put back in
     train mode."""
     import torch
@@ -190,7 +190,7 @@ def dev_score(model: Any, tokenizer: Any, questions: Sequence[DevQuestion], *, f
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, not {form!r}")
     if options is None:
-        from span_workflows.tune.train import TRAINED_OPTIONS
+        from span_workflows.tune import TRAINED_OPTIONS
 
         options = dict(TRAINED_OPTIONS)
     span_options = SpanOptions.coerce(options)

@@ -41,10 +41,7 @@ from typing import Any
 
 from span_workflows.errors import SpanQueryError
 from span_workflows.model import BASE_MODEL_NAME, SPAN_DEFAULTS_FILE
-
-#: The span options most span-form examples are computed with, recorded with the adapter
-#: (engines on the merged model default to them).
-TRAINED_OPTIONS = {"attend": "prefix", "link_blocks": 0}
+from span_workflows.tune import TRAINED_OPTIONS
 
 #: The modules LoRA adapts (Llama-family names): attention and MLP projections.
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
