@@ -233,17 +233,25 @@ def _word(rng: random.Random, syllables: int) -> str:
                    for _ in range(syllables))
 
 
-def make_facts(count: int, rng: random.Random) -> list[Fact]:
-    """``count`` entities with unique names, people and towns."""
-    used: set[str] = set()
+class UniqueNames:
+    """Invented names, each used once: called with a maker of candidate words, it returns the
+    first candidate of at least 4 letters not returned before (case-insensitively)."""
 
-    def unique(make: Callable[[], str]) -> str:
+    def __init__(self) -> None:
+        self.used: set[str] = set()
+
+    def __call__(self, make: Callable[[], str]) -> str:
         for _ in range(1000):
             word = make()
-            if word.lower() not in used and len(word) >= 4:
-                used.add(word.lower())
+            if word.lower() not in self.used and len(word) >= 4:
+                self.used.add(word.lower())
                 return word
         raise RuntimeError("ran out of unique invented names")
+
+
+def make_facts(count: int, rng: random.Random) -> list[Fact]:
+    """``count`` entities with unique names, people and towns."""
+    unique = UniqueNames()
 
     kinds = list(_KINDS)
     facts = []
@@ -388,5 +396,6 @@ def plain_passages(count: int, seed: int = 0) -> list[str]:
     return passages[:count]
 
 
-__all__ = ["Example", "Fact", "NOT_FOUND", "SYSTEM_PROMPTS", "document", "make_examples",
+__all__ = ["Example", "Fact", "NOT_FOUND", "SYSTEM_PROMPTS", "UniqueNames", "document",
+           "make_examples",
            "make_facts", "plain_passages"]

@@ -33,8 +33,9 @@ from __future__ import annotations
 import random
 import re
 import unicodedata
-from collections.abc import Callable
 from dataclasses import dataclass
+
+from span_workflows.tune.data import UniqueNames
 
 #: How the cards reach the model (see :meth:`DevQuestion.messages`).
 LAYOUTS: tuple[str, ...] = ("rag", "system", "user", "numbered", "sources")
@@ -264,15 +265,7 @@ def _word(rng: random.Random, syllables: int) -> str:
 
 def make_records(count: int, rng: random.Random) -> list[Record]:
     """``count`` records with unique names, surnames, towns and card numbers."""
-    used: set[str] = set()
-
-    def unique(make: Callable[[], str]) -> str:
-        for _ in range(1000):
-            word = make()
-            if word.lower() not in used and len(word) >= 4:
-                used.add(word.lower())
-                return word
-        raise RuntimeError("ran out of unique invented names")
+    unique = UniqueNames()
 
     numbers = rng.sample(range(10, 1000), count) if count <= 990 else list(range(count))
     records = []
