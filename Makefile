@@ -47,7 +47,7 @@ $(STAMP): Makefile $(addsuffix /pyproject.toml,$(PACKAGES)) \
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	# The default model (converted from its GGUF) and its span-ready variant (the committed
 	# LoRA adapter merged in), both checked by checksum on reuse.
-	$(PY) -c "from span_workflows.model import BUNDLED_MODELS, resolve_model; \
+	$(PY) -c "from span_workflows.compiler.model import BUNDLED_MODELS, resolve_model; \
 	[print(resolve_model(m, progress=False)) for m in BUNDLED_MODELS]"
 	touch $(STAMP)
 

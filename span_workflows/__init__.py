@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from span_workflows.builders import (
+from span_workflows.commutativity.decorator import commutative
+from span_workflows.commutativity.lint import CommutativityWarning, LintReport, lint
+from span_workflows.compiler.optimize import optimize
+from span_workflows.errors import ModelNotAvailableError, SpanQueryError
+from span_workflows.query.builders import (
     agent_step,
     assistant,
     chat,
@@ -29,9 +33,7 @@ from span_workflows.builders import (
     system,
     user,
 )
-from span_workflows.commutative import commutative
-from span_workflows.errors import ModelNotAvailableError, SpanQueryError
-from span_workflows.ir import (
+from span_workflows.query.ir import (
     Assistant,
     Chat,
     Cross,
@@ -47,26 +49,24 @@ from span_workflows.ir import (
     System,
     User,
 )
-from span_workflows.json_ir import from_json, to_json
-from span_workflows.layout import SpanOptions
-from span_workflows.lint import CommutativityWarning, LintReport, lint
-from span_workflows.optimize import optimize
-from span_workflows.pretty import pretty
+from span_workflows.query.json_ir import from_json, to_json
+from span_workflows.query.pretty import pretty
+from span_workflows.query.span_options import SpanOptions
 
 if TYPE_CHECKING:
-    from span_workflows.backend import QueryBackend
-    from span_workflows.engine import Engine
-    from span_workflows.result import BulkAnswer, Metrics, Result
+    from span_workflows.runtime.backend import QueryBackend
+    from span_workflows.runtime.engine import Engine
+    from span_workflows.runtime.result import BulkAnswer, Metrics, Result
     from span_workflows.serving.client import SpanServer
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "span_workflows.engine",
-    "QueryBackend": "span_workflows.backend",
-    "Metrics": "span_workflows.result",
-    "BulkAnswer": "span_workflows.result",
-    "Result": "span_workflows.result",
+    "Engine": "span_workflows.runtime.engine",
+    "QueryBackend": "span_workflows.runtime.backend",
+    "Metrics": "span_workflows.runtime.result",
+    "BulkAnswer": "span_workflows.runtime.result",
+    "Result": "span_workflows.runtime.result",
     "SpanServer": "span_workflows.serving.client",
 }
 

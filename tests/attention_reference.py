@@ -1,6 +1,6 @@
 """An exact HF-transformers reference of what every span mode computes, for measuring quality.
 
-A span-mode prompt (:class:`~span_workflows.compile.TokenizedQuery`) is answered by one
+A span-mode prompt (:class:`~span_workflows.compiler.compile.TokenizedQuery`) is answered by one
 forward pass of the model over its token form with a custom attention mask that gives every
 token exactly the KV context its mode promises, then greedy decoding with the KV cache. Position
 ids are always a token's index in the token form: RoPE attention depends on relative positions
@@ -69,7 +69,7 @@ from typing import Any, Literal
 
 import torch
 
-from span_workflows.compile import Span, TokenizedQuery
+from span_workflows.compiler.compile import Span, TokenizedQuery
 
 Attention = Literal["full", "prefix", "prefix-final", "self"]
 ATTENTION_CHOICES: tuple[str, ...] = ("full", "prefix", "prefix-final", "self")
@@ -229,7 +229,7 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class AttentionReference:
-    """The model of ``model_dir`` (default: :func:`~span_workflows.model.resolve_model`) on
+    """The model of ``model_dir`` (default: :func:`~span_workflows.compiler.model.resolve_model`) on
     the CPU in ``dtype`` (float32 by default), answering token forms under any span attention
     mode.
 
@@ -239,7 +239,7 @@ class AttentionReference:
                  dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from span_workflows.model import resolve_model
+        from span_workflows.compiler.model import resolve_model
 
         path = Path(model_dir) if model_dir is not None else resolve_model(progress=False)
         self.model_dir = path

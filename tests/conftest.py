@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def engine():
     """The embedded engine (span plugin active), shared by the whole session."""
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     eng = Engine(kv_cache_gib=2)
     yield eng
@@ -92,7 +92,7 @@ def engine():
 @pytest.fixture(scope="session")
 def tokenizer():
     """The default model's tokenizer (converts the bundled GGUF on first use)."""
-    from span_workflows.model import load_tokenizer
+    from span_workflows.compiler.model import load_tokenizer
 
     return load_tokenizer()
 

@@ -2,8 +2,8 @@
 
 * no import circle among the modules of ``span_workflows`` and ``span_vllm`` (every import
   counted, also those inside functions);
-* the library's modules stand in the layers ARCHITECTURE.md draws, and each imports only from
-  its own layer or the layers below;
+* the library's modules stand in the layers ARCHITECTURE.md draws (its folders), and each
+  imports only from its own layer or the layers below;
 * the plugin depends on vLLM alone (and torch, Triton, which vLLM brings) and never on the core;
   the core reaches the plugin only through its public face (``span_vllm`` and
   ``span_vllm.contract``);
@@ -30,26 +30,22 @@ INTEGRATIONS = ROOT / "integrations"
 #: vLLM (torch and Triton come with it) and the span store's checksums
 PLUGIN_THIRD_PARTY = {"vllm", "torch", "triton", "xxhash"}
 PLUGIN_FACE = {"span_vllm", "span_vllm.contract"}
-#: The library's layers, top to bottom (ARCHITECTURE.md): a module imports from its own layer
-#: (without circles) or from a lower one. ``span_workflows.apps`` stands above them all.
+#: The library's layers, top to bottom (ARCHITECTURE.md): each is a folder of ``span_workflows``
+#: (``scaleout`` and ``tune`` share one), but the two the package root holds: its public face
+#: and its ground. A module imports from its own layer (without circles) or from a lower one;
+#: ``span_workflows.apps`` stands above them all.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "public face": ("span_workflows", "runner"),
-    "scale-out and tuning": ("scaleout", "scaleout.affinity", "scaleout.simulate",
-                             "scaleout.ray_router", "scaleout.deployment", "scaleout.bulk",
-                             "scaleout.ray_env", "tune", "tune.data", "tune.forward",
-                             "tune.tool_data", "tune.train", "tune.dev_set", "tune.dev_eval",
-                             "tune.layouts", "tune.checkpoint", "tune.lock"),
-    "serving": ("serving", "serving.client", "serving.app", "serving.service",
-                "serving.launch", "serving.chat_route", "serving.spnl_route"),
-    "engine": ("backend", "engine", "engine_lifetime", "bulk", "span_store"),
-    "boundary": ("vllm_io", "query_body", "serving.wire", "streaming", "serving.chat_wire",
-                 "serving.spnl_wire", "serving.query_schema"),
-    "plan": ("plan", "result", "fragments", "routing", "keys"),
-    "tree and token form": ("builders", "json_ir", "commutative", "validate", "pretty", "normalize",
-                            "optimize", "locality", "compile", "render", "layout",
-                            "tool_prompt", "lint", "lint_rules", "chunking"),
-    "ground": ("ir", "errors", "model", "retrieval", "sampling", "logprobs", "build_info"),
+    "public face": ("span_workflows", "frameworks"),
+    "scale-out and tuning": ("scaleout", "tune"),
+    "serving": ("serving",),
+    "runtime": ("runtime",),
+    "compiler": ("compiler",),
+    "commutativity": ("commutativity",),
+    "query": ("query",),
+    "ground": ("errors", "build_info", "logprobs"),
 }
+#: the root's modules (files, not folders): the public face and the ground
+ROOT_MODULES = {"span_workflows", "frameworks", "errors", "build_info", "logprobs"}
 
 
 def _modules() -> dict[str, Path]:
@@ -114,10 +110,10 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_module_graph_is_read() -> None:
     graph = _graph()
-    assert {"span_workflows.engine", "span_workflows.serving.app", "span_vllm.patches"} <= set(
-        graph)
-    assert "span_vllm.contract" in graph["span_workflows.compile"]
-    assert "span_workflows.ir" in graph["span_workflows.optimize"]
+    assert {"span_workflows.runtime.engine", "span_workflows.serving.app",
+            "span_vllm.patches"} <= set(graph)
+    assert "span_vllm.contract" in graph["span_workflows.compiler.compile"]
+    assert "span_workflows.query.ir" in graph["span_workflows.compiler.optimize"]
 
 
 def test_there_is_no_import_circle() -> None:
@@ -129,11 +125,27 @@ def test_a_circle_would_be_found() -> None:
 
 
 def _layer(name: str) -> int:
+    """The depth of ``name``'s layer (0 the top): its folder's, or its own for a root module."""
     short = name.removeprefix("span_workflows.") if name != "span_workflows" else name
+    room = short if short in ROOT_MODULES else short.split(".")[0]
     for depth, members in enumerate(LAYERS.values()):
-        if short in members:
+        if room in members:
             return depth
     raise AssertionError(f"{name} stands in no layer: place it in LAYERS and ARCHITECTURE.md")
+
+
+def test_the_layers_are_the_folders() -> None:
+    """Every folder of the package is a layer (or the apps, or the adapters' data), every
+    layer but the root's two is a folder, and the root holds nothing else."""
+    package = ROOT / "span_workflows"
+    folders = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    folder_layers = {room for members in LAYERS.values() for room in members} - ROOT_MODULES
+    assert folders - {"apps"} == folder_layers
+    root = {p.stem for p in package.glob("*.py")} - {"__init__"}
+    assert root == ROOT_MODULES - {"span_workflows"}
+    architecture = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    for folder in folder_layers:
+        assert f"`{folder}/`" in architecture, f"ARCHITECTURE.md does not name {folder}/"
 
 
 def test_the_library_imports_only_downward() -> None:
@@ -217,7 +229,7 @@ def library_imports() -> set[str]:
 @pytest.mark.parametrize("heavy", ["matplotlib", "faiss", "sentence_transformers", "vllm",
                                    "rich"])
 def test_importing_the_library_imports_no_app_dependency(library_imports, heavy: str) -> None:
-    assert "span_workflows.ir" in library_imports
+    assert "span_workflows.query.ir" in library_imports
     assert not {m for m in library_imports if m.split(".")[0] == heavy}
 
 

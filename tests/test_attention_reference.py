@@ -17,8 +17,8 @@ from attention_reference import (
 )
 
 from span_workflows import optimize, rag
-from span_workflows.compile import Compiler, Span, TokenizedQuery
-from span_workflows.layout import SpanOptions
+from span_workflows.compiler.compile import Compiler, Span, TokenizedQuery
+from span_workflows.query.span_options import SpanOptions
 
 SYSTEM = "Answer from the documents."
 DOCS = [

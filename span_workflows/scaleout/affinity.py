@@ -2,7 +2,7 @@
 
 A query is routed by its **span keys** (:class:`SpanKey`: a key naming a piece of span KV and
 how many tokens it holds; in the server, the position-independent block keys of its plus spans,
-:mod:`span_workflows.keys`). :class:`SpanAffinityPolicy` keeps, per replica, an
+:mod:`span_workflows.compiler.keys`). :class:`SpanAffinityPolicy` keeps, per replica, an
 approximate picture of that replica's span cache (:class:`ReplicaSpanCache`: the keys routed
 there, least recently routed first, bounded in tokens like the KV cache it stands for) and
 sends a query to the replica that holds the most of its span tokens, unless that replica's
@@ -23,7 +23,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from span_workflows.keys import SpanKey
+from span_workflows.compiler.keys import SpanKey
 
 ReplicaName = Hashable
 

@@ -4,17 +4,17 @@ The pipeline (:func:`run_bulk_on_ray`):
 
 1. **read** — the queries (trees, JSON values or JSON lines), each parsed alone: a bad one is
    answered with its error at once and goes no further;
-2. **cluster** — in the driver, by span keys (:mod:`span_workflows.bulk`: the router's keys
+2. **cluster** — in the driver, by span keys (:mod:`span_workflows.runtime.bulk`: the router's keys
    for the engines' block size, clusters whose footprint fits one engine's KV cache,
    :attr:`BulkOptions.cache_tokens`); a cluster is split only when it exceeds that cache;
 3. **run** — ``ray.data.from_items`` with one row, and one block, per cluster, then
    ``map_batches`` over an actor pool (``ActorPoolStrategy(size=N)``, one cluster per call, one
    call per actor at a time: a cluster goes whole to whichever engine is free) of
-   :class:`SpanEngineActor` — an embedded :class:`~span_workflows.engine.Engine` per actor
+   :class:`SpanEngineActor` — an embedded :class:`~span_workflows.runtime.engine.Engine` per actor
    (the CPUs or GPU Ray gives it), which runs its cluster as a bulk (re-clustered by its own
    cache size, so a cluster larger than the real cache is split there);
 4. **write** — the answers stream back to the driver as each cluster ends (``iter_rows``),
-   as :class:`~span_workflows.result.BulkAnswer` with the engine that answered.
+   as :class:`~span_workflows.runtime.result.BulkAnswer` with the engine that answered.
 
 Faults are Ray Data's: an actor that dies is restarted and its cluster runs again (actor
 restarts and task retries are on by default for actor pools), so every query is answered once.
@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from span_workflows import bulk
 from span_workflows.errors import SpanQueryError
-from span_workflows.result import BulkAnswer
+from span_workflows.runtime import bulk
+from span_workflows.runtime.result import BulkAnswer
 from span_workflows.scaleout.ray_env import check_replicas, forwarded_env
 
 
@@ -45,9 +45,9 @@ class BulkOptions:
 
     ``replicas``: span-engine actors; ``num_cpus`` / ``num_gpus``: Ray resources per actor;
     ``model``, ``kv_cache_gib``, ``kv_cache_blocks`` (a cap on the KV cache, in blocks),
-    ``block_size``: each engine's (as :class:`~span_workflows.engine.Engine`);
+    ``block_size``: each engine's (as :class:`~span_workflows.runtime.engine.Engine`);
     ``schedule``, ``max_in_flight``, ``seed``: as :meth:`Engine.execute_bulk
-    <span_workflows.engine.Engine.execute_bulk>`; ``cache_tokens``: one engine's KV cache in
+    <span_workflows.runtime.engine.Engine.execute_bulk>`; ``cache_tokens``: one engine's KV cache in
     tokens, which clusters are sized to (``None``: ``kv_cache_blocks`` x ``block_size``, else
     estimated from ``kv_cache_gib`` and the model's shape); ``env``: extra environment of the
     actors."""
@@ -96,7 +96,7 @@ class SpanEngineActor:
     ``cpu_s``: each query's share of the CPU time the cluster took)."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         self.options = BulkOptions(**settings)
         opts = self.options
@@ -134,7 +134,7 @@ def cluster_rows(queries: Sequence[bulk.Query], options: BulkOptions, tokenizer:
                  ) -> tuple[list[dict[str, Any]], list[BulkAnswer]]:
     """The rows of the pipeline (one per cluster: ``cluster``, ``indices``, ``queries``) and
     the answers of the queries that are not valid (their errors)."""
-    from span_workflows.keys import QueryKeyer
+    from span_workflows.compiler.keys import QueryKeyer
 
     parsed = bulk.as_queries(queries)
     errors = [BulkAnswer(i, error=q) for i, q in enumerate(parsed)
@@ -202,7 +202,7 @@ def estimated_cache_tokens(model: str | None, kv_cache_gib: int, block_size: int
                            dtype_bytes: int = 4) -> int:
     """Tokens a CPU KV cache of ``kv_cache_gib`` holds for ``model`` (float32 by default:
     keys and values of every layer and KV head), whole blocks only."""
-    from span_workflows.model import resolve_model
+    from span_workflows.compiler.model import resolve_model
 
     config = json.loads((Path(resolve_model(model, progress=False)) / "config.json").read_text())
     heads = int(config.get("num_key_value_heads") or config["num_attention_heads"])
@@ -214,7 +214,7 @@ def estimated_cache_tokens(model: str | None, kv_cache_gib: int, block_size: int
 
 
 def _tokenizer(model: str | None) -> Any:
-    from span_workflows.model import load_tokenizer
+    from span_workflows.compiler.model import load_tokenizer
 
     return load_tokenizer(model)
 

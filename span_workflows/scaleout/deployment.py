@@ -9,7 +9,7 @@
 * :class:`SpanIngress` — the HTTP front (FastAPI, Ray Serve's ingress): the single server's API
   (``POST /v1/query/execute`` plain and streamed, vLLM's OpenAI routes forwarded to a replica,
   ``/health``, ``/metrics`` with every replica's samples labelled ``replica``). It computes
-  each query's span keys (:class:`~span_workflows.keys.QueryKeyer`) and calls the
+  each query's span keys (:class:`~span_workflows.compiler.keys.QueryKeyer`) and calls the
   replicas through a handle routed by
   :class:`~span_workflows.scaleout.ray_router.SpanAffinityRouter`.
 * Faults: a call that fails because its replica died (or its server went down) is sent once
@@ -344,7 +344,7 @@ class SpanIngressCore:
         async with self._ready:
             if self.keyer is not None:
                 return
-            from span_workflows.keys import QueryKeyer
+            from span_workflows.compiler.keys import QueryKeyer
 
             info = await self._call("info", None, retry=True)
             block = self.options.block_size or info.block_size or 32

@@ -2,7 +2,7 @@
 
 Ray Serve calls a deployment handle's request router (the public ``ray.serve.request_router``
 API) in the process that holds the handle — here the ingress, which has already computed each
-query's span keys (:mod:`span_workflows.keys`) and sends them along as the first
+query's span keys (:mod:`span_workflows.compiler.keys`) and sends them along as the first
 argument of the call, a :class:`RoutedQuery`. The router:
 
 * ``choose_replicas`` — ranks the candidates: first the replica

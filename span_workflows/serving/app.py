@@ -9,7 +9,7 @@ FastAPI app and engine client (``AsyncLLM``, engine core in its own process, whe
   :mod:`span_workflows.serving.wire`), executed by a
   :class:`~span_workflows.serving.service.SpanQueryService`;
 * ``POST /v1/query/bulk`` — many queries as JSON lines, scheduled by the spans they share
-  (:mod:`span_workflows.bulk`), answered as JSON lines streamed as each answer is ready;
+  (:mod:`span_workflows.runtime.bulk`), answered as JSON lines streamed as each answer is ready;
 * spnl's request form on the same path (``text/plain``, ``?stream=``, ``?format=``), answered
   in OpenAI shapes (:mod:`span_workflows.serving.spnl_route`), and ``GET /v1/query/schema``
   (:mod:`span_workflows.serving.query_schema`);
@@ -35,18 +35,18 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 
 from span_vllm import contract
+from span_workflows.compiler.model import span_defaults
 from span_workflows.errors import SpanQueryError
-from span_workflows.layout import SpanOptions
-from span_workflows.model import span_defaults
-from span_workflows.result import BulkAnswer
-from span_workflows.routing import Adapter, WeightsRouter
+from span_workflows.query.span_options import SpanOptions
+from span_workflows.runtime.result import BulkAnswer
+from span_workflows.runtime.routing import Adapter, WeightsRouter
+from span_workflows.runtime.streaming import PartStream
+from span_workflows.runtime.vllm_io import warm_up
 from span_workflows.serving import wire
 from span_workflows.serving.chat_route import install_chat_route
 from span_workflows.serving.query_schema import SCHEMA_PATH, query_schema
 from span_workflows.serving.service import SpanQueryService, StreamedRun
 from span_workflows.serving.spnl_route import openai_form_response, url_options
-from span_workflows.streaming import PartStream
-from span_workflows.vllm_io import warm_up
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -126,7 +126,7 @@ def make_router(max_body: int = wire.MAX_BODY_BYTES) -> Any:
 
 def _bulk_options(request: Any) -> tuple[str, int]:
     """``?schedule=`` and ``?max_in_flight=`` of a bulk request, checked."""
-    from span_workflows.bulk import DEFAULT_MAX_IN_FLIGHT, check_options
+    from span_workflows.runtime.bulk import DEFAULT_MAX_IN_FLIGHT, check_options
 
     params = request.query_params
     unknown = sorted(set(params) - {"schedule", "max_in_flight"})

@@ -21,9 +21,9 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import Message, Receive, Scope, Send
 
 from span_workflows.errors import SpanQueryError
+from span_workflows.runtime.streaming import ChoiceStream
 from span_workflows.serving import chat_wire
 from span_workflows.serving.service import SpanQueryService, StreamedRun
-from span_workflows.streaming import ChoiceStream
 
 
 class SpanChatRoute(BaseRoute):

@@ -4,12 +4,12 @@
 sends it with ``extra_body={"spans": [...]}``). Each listed text is looked for inside the
 ``system`` / ``developer`` / ``user`` messages (as whole words: no letter or digit right
 before or after it); where found it becomes a commutative span (a ``plus`` of fragments), and
-the rest of the prompt stays ordered (:func:`span_workflows.fragments.lift_messages`). Spans
+the rest of the prompt stays ordered (:func:`span_workflows.query.lift.lift_messages`). Spans
 next to each other with only whitespace or punctuation between them form one plus (that glue
 is dropped). **Tools and structured output**: ``tools`` (OpenAI function tools) with
 ``tool_choice`` (``"auto"``, ``"required"``, ``"none"`` or ``{"type": "function",
 "function": {"name": ...}}``), and ``response_format`` (``json_object`` or ``json_schema``),
-constrain the answer as on the engine (:mod:`span_workflows.sampling`); in the history an
+constrain the answer as on the engine (:mod:`span_workflows.query.sampling`); in the history an
 assistant message's ``tool_calls`` and a ``tool`` message (by ``tool_call_id``) are rendered
 as the model generates and reads them; the results of one turn's calls commute.
 Sampling: ``max_tokens`` / ``max_completion_tokens`` (default: up to the context
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.fragments import find_fragments, lift_messages, span_id
-from span_workflows.ir import Generate
-from span_workflows.result import Result
-from span_workflows.sampling import Sampling, render_calls, render_content, render_tool_result
+from span_workflows.query.ir import Generate
+from span_workflows.query.lift import find_fragments, lift_messages, span_id
+from span_workflows.query.sampling import Sampling, render_calls, render_content, render_tool_result
+from span_workflows.runtime.result import Result
 
 CHAT_PATH = "/v1/chat/completions"
 SPANS_KEY = "spans"
@@ -267,7 +267,7 @@ def _short(text: str, limit: int = 60) -> str:
 def usage_body(result: Result) -> dict[str, Any]:
     """OpenAI's ``usage`` of an answer. ``prompt_tokens_details.cached_tokens`` counts the
     prompt tokens that were in the cache before the request came
-    (:attr:`~span_workflows.result.Metrics.reused_tokens`): spans the request had to prepare
+    (:attr:`~span_workflows.runtime.result.Metrics.reused_tokens`): spans the request had to prepare
     itself are not counted, so the first request over new documents reports few, a later one
     over the same documents in any order nearly all of them."""
     m = result.metrics

@@ -1,8 +1,8 @@
 """A client of the span query server (``span-workflows serve``), over HTTP with httpx.
 
-:class:`SpanServer` is a :class:`~span_workflows.backend.QueryBackend`, like the embedded
-:class:`~span_workflows.engine.Engine`: ``execute``/``aexecute``/``execute_many`` return the
-same :class:`~span_workflows.result.Result`, ``stream``/``astream`` the same text streams.
+:class:`SpanServer` is a :class:`~span_workflows.runtime.backend.QueryBackend`, like the embedded
+:class:`~span_workflows.runtime.engine.Engine`: ``execute``/``aexecute``/``execute_many`` return the
+same :class:`~span_workflows.runtime.result.Result`, ``stream``/``astream`` the same text streams.
 What goes over the wire is :mod:`span_workflows.serving.wire`'s business.
 
 Errors: an invalid query (any 4xx answer) raises :class:`~span_workflows.errors.SpanQueryError`
@@ -25,11 +25,11 @@ from typing import Any, TypeVar
 import httpx
 
 from span_workflows.errors import ServerError, ServerUnavailableError, SpanQueryError
-from span_workflows.ir import Node
-from span_workflows.layout import SpanOptions
-from span_workflows.result import BulkAnswer, Result
+from span_workflows.query.ir import Node
+from span_workflows.query.span_options import SpanOptions
+from span_workflows.runtime.result import BulkAnswer, Result
+from span_workflows.runtime.streaming import AsyncTextStream, TextStream
 from span_workflows.serving import wire
-from span_workflows.streaming import AsyncTextStream, TextStream
 
 T = TypeVar("T")
 Query = Node | dict | list | str
@@ -101,8 +101,8 @@ class SpanServer:
                      span_options: SpanOptions | str | None = None,
                      cache_salt: str | None = None) -> list[BulkAnswer]:
         """Run many queries in one ``POST /v1/query/bulk``, scheduled by the server (as
-        :meth:`Engine.execute_bulk <span_workflows.engine.Engine.execute_bulk>`); one
-        :class:`~span_workflows.result.BulkAnswer` per query, in input order. A query the
+        :meth:`Engine.execute_bulk <span_workflows.runtime.engine.Engine.execute_bulk>`); one
+        :class:`~span_workflows.runtime.result.BulkAnswer` per query, in input order. A query the
         client cannot even encode is refused here (:class:`SpanQueryError`, naming it)."""
         answers = list(self.iter_bulk(queries, schedule=schedule, max_in_flight=max_in_flight,
                                       optimize_query=optimize_query,

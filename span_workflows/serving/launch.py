@@ -19,15 +19,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from span_vllm import contract
-from span_workflows.errors import ModelNotAvailableError
-from span_workflows.model import (
+from span_workflows.compiler.model import (
     BUNDLED_MODELS,
     DEFAULT_MODEL_NAME,
     bundled_adapters,
     is_base,
     resolve_model,
 )
-from span_workflows.routing import Adapter, lora_server_args
+from span_workflows.errors import ModelNotAvailableError
+from span_workflows.runtime.routing import Adapter, lora_server_args
 from span_workflows.serving.wire import HEALTH_PATH
 
 LAUNCHER_MODULE = "span_workflows.serving.app"
@@ -140,7 +140,7 @@ def server_command(
 
 def adapter_args(model: str | Path | None,
                  adapters: Mapping[str, str | Path] | None = None) -> list[str]:
-    """vLLM's LoRA flags for ``adapters`` (default: :func:`~span_workflows.model.
+    """vLLM's LoRA flags for ``adapters`` (default: :func:`~span_workflows.compiler.model.
     bundled_adapters` on the bundled base, none elsewhere); each adapter is checked here, so
     a wrong path fails before the server starts."""
     if adapters is None:

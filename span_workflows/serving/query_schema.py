@@ -1,11 +1,11 @@
 """The JSON schema of a ``/v1/query/execute`` request (``GET /v1/query/schema``).
 
 Generated from the definitions the server validates with: the node kinds and the fields of
-each node body (:data:`span_workflows.json_ir.NODE_KINDS`,
-:data:`~span_workflows.json_ir.NODE_FIELDS`), the wrapper's keys
+each node body (:data:`span_workflows.query.json_ir.NODE_KINDS`,
+:data:`~span_workflows.query.json_ir.NODE_FIELDS`), the wrapper's keys
 (:data:`span_workflows.serving.wire.WRAPPER_KEYS`), the span options' fields and choices
-(:mod:`span_workflows.layout`) and the limits of :mod:`span_workflows.validate`. Each
-field's JSON type is described here, in :data:`FIELD_SCHEMAS`; a field the parser reads that
+(:mod:`span_workflows.query.span_options`) and the limits of :mod:`span_workflows.query.validate`.
+Each field's JSON type is described here, in :data:`FIELD_SCHEMAS`; a field the parser reads that
 has no description here fails the generation (and the tests), so the two cannot drift apart.
 What a schema cannot say (the depth and expanded-size limits, one spelling of a repeat's
 body) is checked by the server only.
@@ -15,11 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from span_workflows.ir import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, ROLE_MESSAGES
-from span_workflows.json_ir import NODE_FIELDS, NODE_KINDS
-from span_workflows.layout import ALIGN_CHOICES, ATTEND_CHOICES, PAD_CHOICES, SpanOptions
+from span_workflows.query.ir import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE, ROLE_MESSAGES
+from span_workflows.query.json_ir import NODE_FIELDS, NODE_KINDS
+from span_workflows.query.span_options import (
+    ALIGN_CHOICES,
+    ATTEND_CHOICES,
+    PAD_CHOICES,
+    SpanOptions,
+)
+from span_workflows.query.validate import MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS_LIMIT
 from span_workflows.serving.wire import WRAPPER_KEYS
-from span_workflows.validate import MAX_SAMPLES, MAX_TEMPERATURE, MAX_TOKENS_LIMIT
 
 SCHEMA_PATH = "/v1/query/schema"
 _NODE = {"$ref": "#/$defs/node"}
@@ -33,7 +38,8 @@ _G_BODY = {"$ref": "#/$defs/g_body"}
 
 _PENALTY = {"type": "number", "minimum": -2, "maximum": 2, "default": 0}
 _NAMES = {"type": "array", "items": {"type": "string", "minLength": 1}}
-#: The JSON schema of each sampling option of a g (:class:`~span_workflows.sampling.Sampling`).
+#: The JSON schema of each sampling option of a g
+#: (:class:`~span_workflows.query.sampling.Sampling`).
 SAMPLING_SCHEMAS: dict[str, dict[str, Any]] = {
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1},
     "top_k": {"type": "integer", "minimum": 0, "default": 0, "description": "0: off"},

@@ -4,7 +4,7 @@ The engine core runs in another process: cache probes and the span counters reac
 plugin's engine-core utility calls (:data:`span_vllm.contract.PROBE_CALL`,
 :data:`~span_vllm.contract.STATS_CALL`, :data:`~span_vllm.contract.STEPS_CALL`); requests go
 through ``AsyncLLM.generate`` with their segments in ``SamplingParams.extra_args``
-(:mod:`span_workflows.vllm_io`).
+(:mod:`span_workflows.runtime.vllm_io`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from span_vllm import contract
-from span_workflows import bulk
-from span_workflows.compile import Compiler
+from span_workflows.compiler.compile import Compiler
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Node
-from span_workflows.layout import SpanOptions
-from span_workflows.plan import (
+from span_workflows.query.ir import Node
+from span_workflows.query.span_options import SpanOptions
+from span_workflows.runtime import bulk
+from span_workflows.runtime.plan import (
     Output,
     Planner,
     Probe,
@@ -33,17 +33,17 @@ from span_workflows.plan import (
     guarded,
     share_prepares_async,
 )
-from span_workflows.result import BulkAnswer, Result
-from span_workflows.routing import WeightsRouter, on_weights
+from span_workflows.runtime.result import BulkAnswer, Result
+from span_workflows.runtime.routing import WeightsRouter, on_weights
+from span_workflows.runtime.streaming import PartStream
+from span_workflows.runtime.vllm_io import RequestRun, sampling_params, tokens_prompt
 from span_workflows.serving.wire import QueryBody
-from span_workflows.streaming import PartStream
-from span_workflows.vllm_io import RequestRun, sampling_params, tokens_prompt
 
 
 class SpanQueryService:
     """Plans, runs and reports span queries on ``engine_client`` (vLLM's ``AsyncLLM``).
 
-    ``router`` chooses each query's weights (:mod:`span_workflows.routing`; default: the
+    ``router`` chooses each query's weights (:mod:`span_workflows.runtime.routing`; default: the
     base alone); ``loras`` maps an adapter's name to the ``LoRARequest`` the server loaded it
     with (vLLM's ``OpenAIServingModels.lora_requests``)."""
 
@@ -69,7 +69,7 @@ class SpanQueryService:
                       weights: str | None = None) -> Result:
         """Run one parsed query; with ``stream``, its answer's text is streamed as it grows.
         ``sampling``: more vLLM ``SamplingParams`` fields for the answer's own generations
-        (see :func:`span_workflows.vllm_io.sampling_params`); ``weights``: the base's or an
+        (see :func:`span_workflows.runtime.vllm_io.sampling_params`); ``weights``: the base's or an
         adapter's name (``None``: routed)."""
         plan = self.plan(node, optimize_query, span_options, cache_salt, weights)
 
@@ -100,7 +100,7 @@ class SpanQueryService:
                            schedule: str = "cluster",
                            max_in_flight: int = bulk.DEFAULT_MAX_IN_FLIGHT,
                            seed: int = 0) -> AsyncIterator[BulkAnswer]:
-        """Run a bulk (see :mod:`span_workflows.bulk`): its answers as each is ready. The
+        """Run a bulk (see :mod:`span_workflows.runtime.bulk`): its answers as each is ready. The
         queries start in schedule order, at most ``max_in_flight`` and half the cache in
         prompt tokens at once (a new one as soon as one ends); identical prepares of the
         queries in flight run once."""

@@ -10,11 +10,11 @@ from typing import Any
 
 from starlette.requests import Request as HttpRequest
 
-from span_workflows.ir import Map
+from span_workflows.query.ir import Map
+from span_workflows.runtime.streaming import ChoiceStream
 from span_workflows.serving import spnl_wire, wire
 from span_workflows.serving.chat_route import engine_error, stream_choices
 from span_workflows.serving.service import SpanQueryService
-from span_workflows.streaming import ChoiceStream
 
 
 def url_options(request: HttpRequest, query: wire.QueryBody) -> tuple[wire.QueryBody, bool]:

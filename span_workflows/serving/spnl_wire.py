@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Map, Node, User
-from span_workflows.result import Result
+from span_workflows.query.ir import Map, Node, User
+from span_workflows.runtime.result import Result
 from span_workflows.serving.chat_wire import usage_body
 
 #: ``format`` values of the URL.

@@ -5,7 +5,7 @@ read and write it.
 query in spnl's JSON IR, bare, or wrapped as ``{"query": Q, "stream": false, "optimize": true,
 "span_options": {...}, "cache_salt": "...", "weights": "<the base's or an adapter's name>"}``
 (only :data:`WRAPPER_KEYS`; every key but ``query`` optional; without ``weights`` the server
-routes the query, :mod:`span_workflows.routing`). Written by :func:`request_body`, read by
+routes the query, :mod:`span_workflows.runtime.routing`). Written by :func:`request_body`, read by
 :func:`parse_body`.
 
 **Answer** (200): ``{"text", "texts", "usage": {"prompt_tokens", "cached_tokens",
@@ -44,12 +44,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from span_workflows.errors import ServerError, SpanQueryError
-from span_workflows.ir import Node
-from span_workflows.json_ir import to_obj
-from span_workflows.layout import SpanOptions
-from span_workflows.query_body import WRAPPER_KEYS, QueryBody, parse_body, request_body
-from span_workflows.result import BulkAnswer, Metrics, Result
-from span_workflows.sampling import ToolCall
+from span_workflows.query.ir import Node
+from span_workflows.query.json_ir import to_obj
+from span_workflows.query.sampling import ToolCall
+from span_workflows.query.span_options import SpanOptions
+from span_workflows.runtime.query_body import WRAPPER_KEYS, QueryBody, parse_body, request_body
+from span_workflows.runtime.result import BulkAnswer, Metrics, Result
 
 EXECUTE_PATH = "/v1/query/execute"
 HEALTH_PATH = "/health"

@@ -3,7 +3,7 @@
 
 How a dev question becomes a query (:func:`dev_query`): the ``rag`` layout is the builder
 query ``rag(system, documents, question)``; every other layout is its chat messages lifted as
-the framework integrations lift them (:func:`span_workflows.fragments.lift_messages`, the
+the framework integrations lift them (:func:`span_workflows.query.lift.lift_messages`, the
 documents being the fragments). Both are optimized, as the engine runs a span query.
 
 The forms (:data:`FORMS`), each a prompt for the model and greedy decoding after it:
@@ -14,8 +14,8 @@ The forms (:data:`FORMS`), each a prompt for the model and greedy decoding after
   (:func:`~span_workflows.tune.forward.span_prompt_cache`), then decoded on that cache;
 * ``"stock"`` — what the engine's stock mode sends for the same query
   (``Engine.execute_many(..., span_mode=False)``): the query in the order given
-  (:func:`~span_workflows.optimize.ordered_for_stock`) compiled with ``span_mode=False``. For
-  ``rag`` that is the system prompt, each document as a user message, the question — which is
+  (:func:`~span_workflows.compiler.optimize.ordered_for_stock`) compiled with ``span_mode=False``.
+  For ``rag`` that is the system prompt, each document as a user message, the question — which is
   also ``apply_chat_template`` of :meth:`DevQuestion.messages`. For a lifted layout it is *not*
   the user's own chat: the lifted pieces are rendered as messages of their own (``system``:
   the instruction, each document as a user message, the question; ``user``: ``"Context:"``,
@@ -37,8 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from span_workflows.ir import Generate
-from span_workflows.layout import SpanOptions
+from span_workflows.query.ir import Generate
+from span_workflows.query.span_options import SpanOptions
 from span_workflows.tune.dev_set import LAYOUTS, DevQuestion, is_correct
 
 #: The prompt forms :func:`dev_score` decodes after (see the module docstring).
@@ -53,9 +53,9 @@ def dev_query(question: DevQuestion, max_tokens: int = MAX_NEW_TOKENS, *,
     layout, else its messages lifted with its documents as the fragments; optimized (the tree
     the engine runs in span mode), or with ``optimized=False`` as built (the engine's stock
     mode runs it in this order)."""
-    from span_workflows.builders import rag
-    from span_workflows.fragments import lift_messages
-    from span_workflows.optimize import optimize
+    from span_workflows.compiler.optimize import optimize
+    from span_workflows.query.builders import rag
+    from span_workflows.query.lift import lift_messages
 
     if question.layout == "rag":
         query = rag(question.system, question.documents, question.question,
@@ -69,7 +69,7 @@ def dev_query(question: DevQuestion, max_tokens: int = MAX_NEW_TOKENS, *,
 def stock_prompt_ids(question: DevQuestion, compiler: Any) -> list[int]:
     """The prompt the engine's stock mode sends for :func:`dev_query` (the query in the order
     given, compiled with ``span_mode=False``)."""
-    from span_workflows.optimize import ordered_for_stock
+    from span_workflows.compiler.optimize import ordered_for_stock
 
     query = ordered_for_stock(dev_query(question, optimized=False))
     return list(compiler.compile_generate(query, span_mode=False).token_ids)
@@ -121,7 +121,7 @@ def _decode(model: Any, out: Any, position: int, ends: frozenset[int],
 def greedy_span(model: Any, tq: Any, ends: frozenset[int],
                 max_new_tokens: int = MAX_NEW_TOKENS) -> list[int]:
     """Greedy answer ids after the span-mode prompt ``tq`` (a compiled
-    :class:`~span_workflows.compile.TokenizedQuery`), its prompt computed as
+    :class:`~span_workflows.compiler.compile.TokenizedQuery`), its prompt computed as
     :func:`~span_workflows.tune.forward.span_forward` computes it."""
     import torch
 
@@ -185,7 +185,7 @@ def dev_score(model: Any, tokenizer: Any, questions: Sequence[DevQuestion], *, f
     import torch
     from tqdm.auto import tqdm
 
-    from span_workflows.compile import Compiler
+    from span_workflows.compiler.compile import Compiler
 
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, not {form!r}")

@@ -2,8 +2,8 @@
 
 Fine-tuning a model to answer in span mode as it does in stock mode needs a forward pass that
 *is* span mode, differentiable. :func:`span_forward` runs one compiled span query
-(:class:`~span_workflows.compile.TokenizedQuery`) and a target answer through the model the way
-the patched vLLM serves it:
+(:class:`~span_workflows.compiler.compile.TokenizedQuery`) and a target answer through the model the
+way the patched vLLM serves it:
 
 * ordered runs (the prefix before a plus, the tail after it) attend to everything before them,
   at their positions in the prompt;
@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from span_workflows.compile import Span, TokenizedQuery
+from span_workflows.compiler.compile import Span, TokenizedQuery
 
 _GROUP_KINDS = ("plus",)
 
@@ -166,7 +166,8 @@ def _compose(model: Any, tq: TokenizedQuery) -> tuple[_KV, list[int], int]:
 
 def span_forward(model: Any, tq: TokenizedQuery, answer_ids: Sequence[int]) -> torch.Tensor:
     """Logits ``[len(answer_ids), vocab]`` of ``answer_ids`` after the span-mode prompt ``tq``
-    (compiled with its :class:`~span_workflows.layout.SpanOptions`), computed as the engine
+    (compiled with its :class:`~span_workflows.query.span_options.SpanOptions`), computed as the
+    engine
     computes it (see the module docstring). Row ``i`` predicts ``answer_ids[i]``; row 0 is the
     first generated token's distribution. Differentiable in the model's parameters."""
     kv, ids, offset = _compose(model, tq)

@@ -1,10 +1,10 @@
 """Where a prompt puts its documents: the layouts framework users write, for training.
 
-A span query built with :func:`span_workflows.builders.rag` keeps each document a message of its
-own. Framework prompts do not: LangChain's RAG tutorial pastes the retrieved context into the
+A span query built with :func:`span_workflows.query.builders.rag` keeps each document a message of
+its own. Framework prompts do not: LangChain's RAG tutorial pastes the retrieved context into the
 *system* message, other templates paste it into the *user* message, number the documents or put
 a source header above each. The integrations lift such prompts back into spans
-(:func:`span_workflows.fragments.lift_messages`), so the span-ready adapter must answer well
+(:func:`span_workflows.query.lift.lift_messages`), so the span-ready adapter must answer well
 from each of them. :func:`layout_messages` renders one training example in a layout; the
 wording of each layout varies from example to example.
 

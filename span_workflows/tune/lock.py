@@ -24,7 +24,7 @@ LOCK_NAME = "tune.lock"
 
 def lock_path() -> Path:
     """Where a training run's lock lives (``$SPAN_WORKFLOWS_CACHE/tune.lock``)."""
-    from span_workflows.model import cache_dir
+    from span_workflows.compiler.model import cache_dir
 
     return cache_dir() / LOCK_NAME
 

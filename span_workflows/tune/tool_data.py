@@ -3,7 +3,7 @@
 RAG examples alone teach a model to answer from its context at once; an agent's model must
 instead call a tool when the facts are not in its context yet, and answer once the results
 are. These examples are single turns of tool-using conversations, in the engine's tool
-answer format (:mod:`span_workflows.sampling`): the tools offered, the question, the calls
+answer format (:mod:`span_workflows.query.sampling`): the tools offered, the question, the calls
 made so far with their results, and as target either the calls still needed
 (``{"tool_calls": [...]}``) or the answer (``{"content": ...}``) once every needed result is
 in.
@@ -20,7 +20,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from span_workflows.sampling import ToolSpec, render_calls, render_content, render_tool_result
+from span_workflows.query.sampling import ToolSpec, render_calls, render_content, render_tool_result
 from span_workflows.tune.data import Fact, make_facts
 
 

@@ -24,8 +24,8 @@ under ``OUT/checkpoint``; a run started again with the same settings continues f
 ``OUT/training_log.json`` is rewritten with every checkpoint (:func:`training_log`: the config,
 the data's checksum, package versions, the commit, the loss curve, seconds per 1k examples)
 and copied into the adapter when the run ends. The finished adapter is ``OUT/adapter``;
-:func:`span_workflows.model.merge_adapter` folds it into the base weights as a plain checkpoint
-that vLLM serves.
+:func:`span_workflows.compiler.model.merge_adapter` folds it into the base weights as a plain
+checkpoint that vLLM serves.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_DEFAULTS_FILE
 from span_workflows.errors import SpanQueryError
-from span_workflows.model import BASE_MODEL_NAME, SPAN_DEFAULTS_FILE
 from span_workflows.tune import TRAINED_OPTIONS
 
 #: The modules LoRA adapts (Llama-family names): attention and MLP projections.
@@ -165,7 +165,7 @@ class ExampleStream:
     the same whatever was trained before it (so a resumed run sees what it would have)."""
 
     def __init__(self, config: TuneConfig, tokenizer: Any) -> None:
-        from span_workflows.compile import Compiler
+        from span_workflows.compiler.compile import Compiler
         from span_workflows.tune.data import make_examples, plain_passages
         from span_workflows.tune.tool_data import make_tool_examples
 
@@ -190,11 +190,11 @@ class ExampleStream:
         return self.config.examples
 
     def item(self, index: int) -> _Item:
-        from span_workflows.builders import rag
-        from span_workflows.fragments import lift_messages
-        from span_workflows.ir import ROLE_MESSAGES
-        from span_workflows.layout import SpanOptions
-        from span_workflows.optimize import optimize
+        from span_workflows.compiler.optimize import optimize
+        from span_workflows.query.builders import rag
+        from span_workflows.query.ir import ROLE_MESSAGES
+        from span_workflows.query.lift import lift_messages
+        from span_workflows.query.span_options import SpanOptions
         from span_workflows.tune.layouts import draw_layout, layout_messages
 
         cfg = self.config
@@ -237,11 +237,11 @@ class ExampleStream:
         """Agent turn ``index`` as the engine runs it: its messages lifted (tool results of
         one turn commuting), the tool instructions in its system text, optimized, compiled in
         span mode with the trained options."""
-        from span_workflows.fragments import lift_messages
-        from span_workflows.layout import SpanOptions
-        from span_workflows.optimize import optimize
-        from span_workflows.sampling import Sampling
-        from span_workflows.tool_prompt import with_tool_prompts
+        from span_workflows.compiler.optimize import optimize
+        from span_workflows.query.lift import lift_messages
+        from span_workflows.query.sampling import Sampling
+        from span_workflows.query.span_options import SpanOptions
+        from span_workflows.query.tool_prompt import with_tool_prompts
 
         turn = self._tool_turns[index]
         answer = self._answer_ids(turn.answer)
@@ -326,7 +326,7 @@ def load_base(model: str | None, device: str) -> tuple[Any, Any, Path]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from span_workflows.model import resolve_model
+    from span_workflows.compiler.model import resolve_model
 
     if device not in ("cpu", "cuda"):
         raise SpanQueryError("--device", f"must be cpu or cuda, not {device!r}")

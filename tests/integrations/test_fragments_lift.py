@@ -1,11 +1,11 @@
-"""The fragment registry and prompt lifting (span_workflows.fragments); no engine needed."""
+"""The fragment registry and prompt lifting (span_workflows.query.lift); no engine needed."""
 
 from __future__ import annotations
 
 import asyncio
 
 from span_workflows import Fragment, Plus, System, User, commutative
-from span_workflows.fragments import (
+from span_workflows.query.lift import (
     Run,
     commutative_outputs,
     find_fragments,

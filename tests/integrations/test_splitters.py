@@ -9,8 +9,8 @@ from llama_index.core import Document as LlamaDocument
 
 from langchain_span_workflows import SpanTextSplitter as LangChainSplitter
 from llama_index.retrievers.span_workflows import SpanTextSplitter as LlamaSplitter
-from span_workflows.chunking import BlockChunker
-from span_workflows.compile import Compiler
+from span_workflows.compiler.compile import Compiler
+from span_workflows.runtime.chunking import BlockChunker
 
 TEXT = ("The Varnholm lighthouse was built in 1871 by the engineer Ada Lindqvist, who designed "
         "its spiral stone stair of 212 steps; its keeper lit the lamp every night with whale "

@@ -35,7 +35,7 @@ def shell(engine: Any) -> Any:
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
 
-    from span_workflows.runner import set_default_engine
+    from span_workflows.frameworks import set_default_engine
 
     set_default_engine(engine)
     config = Config()

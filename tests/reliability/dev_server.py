@@ -49,8 +49,8 @@ def span_counters(client: httpx.Client) -> dict[str, float]:
 def rag_payload(system: str, docs: list[str], question: str, max_tokens: int) -> dict:
     """A ``/v1/query/execute`` body: a greedy RAG query with the documents in the order given
     (not reordered by the optimizer)."""
-    from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
-    from span_workflows.json_ir import to_obj
+    from span_workflows.query.ir import Cross, Fragment, Generate, Plus, System, User
+    from span_workflows.query.json_ir import to_obj
 
     node = Generate(Cross((System(system), Plus(tuple(Fragment(d) for d in docs)),
                            User(question))), max_tokens=max_tokens, temperature=0.0)

@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 
 from span_vllm import contract
 from span_workflows.apps.cli.main import main as cli_main
-from span_workflows.compile import Compiler
+from span_workflows.compiler.compile import Compiler
+from span_workflows.compiler.optimize import optimize
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Generate, Plus, User
-from span_workflows.json_ir import from_json
-from span_workflows.optimize import optimize
-from span_workflows.plan import Output, Planner, drive
-from span_workflows.validate import validate
+from span_workflows.query.ir import Generate, Plus, User
+from span_workflows.query.json_ir import from_json
+from span_workflows.query.validate import validate
+from span_workflows.runtime.plan import Output, Planner, drive
 
 MAX_MODEL_LEN = 2048
 DEEP = 5000  # levels: far beyond MAX_DEPTH (256) and Python's recursion limit (1000)

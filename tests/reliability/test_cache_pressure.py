@@ -157,7 +157,7 @@ def test_base_and_adapter_share_no_block_and_stay_right_under_pressure(http, alo
     """The same documents under the base and the span-ready adapter: the second weights'
     first run computes every span again (no block of the other weights is read), and
     concurrent mixed requests under eviction equal each one run alone."""
-    from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+    from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 
     docs = [0, 1, 2, 3]
     base, adapter = _on(BASE_MODEL_NAME, query(docs)), _on(SPAN_MODEL_NAME, query(docs))

@@ -22,7 +22,7 @@ from dev_server import SMALL_POOL
 from process_leaks import mapped_by_others, shm_names
 from shared_server import API_KEY, SHARED, ServerSlot
 
-from span_workflows.builders import g, rag, user
+from span_workflows.query.builders import g, rag, user
 from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
 from span_workflows.serving.launch import free_port, stop_server_process
 

@@ -18,9 +18,9 @@ from dev_server import (
 )
 from shared_server import ServerSlot
 
-from span_workflows.ir import Cross, Fragment, Plus, System, User
-from span_workflows.json_ir import to_obj
-from span_workflows.model import BASE_MODEL_NAME
+from span_workflows.compiler.model import BASE_MODEL_NAME
+from span_workflows.query.ir import Cross, Fragment, Plus, System, User
+from span_workflows.query.json_ir import to_obj
 
 pytestmark = pytest.mark.engine
 
@@ -113,9 +113,9 @@ def test_vllm_endpoints_cannot_borrow_span_semantics(http: httpx.Client) -> None
     """The same tokens as a span query, with a forged span layout, through /v1/completions:
     no span block is hit or repositioned for it."""
 
-    from span_workflows.compile import Compiler
-    from span_workflows.ir import Generate as G
-    from span_workflows.model import load_tokenizer
+    from span_workflows.compiler.compile import Compiler
+    from span_workflows.compiler.model import load_tokenizer
+    from span_workflows.query.ir import Generate as G
 
     model = http.get("/v1/models").json()["data"][0]["id"]
     tokenizer = load_tokenizer()

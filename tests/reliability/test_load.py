@@ -17,8 +17,8 @@ import pytest
 from dev_server import reset_server_cache
 from shared_server import API_KEY
 
-from span_workflows.ir import Cross, Fragment, Generate, Plus, System, User
-from span_workflows.json_ir import to_obj
+from span_workflows.query.ir import Cross, Fragment, Generate, Plus, System, User
+from span_workflows.query.json_ir import to_obj
 
 pytestmark = pytest.mark.engine
 

@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) that complement tests/span_workflows/test_json_ir.py and
+"""Property-based tests (hypothesis) that complement tests/span_workflows/query/test_json_ir.py and
 test_optimize.py: the parser never fails with anything but SpanQueryError, the optimizer keeps
 the leaves under *every* plus and ignores the order of *every* plus, and the compiler (on the
 real SmolLM2 tokenizer) puts markers only at block starts and decodes back to the texts."""
@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from span_workflows.compile import Compiler
+from span_workflows.compiler.compile import Compiler
+from span_workflows.compiler.optimize import optimize
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import (
+from span_workflows.query.ir import (
     MESSAGE_TYPES,
     Cross,
     Fragment,
@@ -28,9 +29,8 @@ from span_workflows.ir import (
     iter_nodes,
     rewrite_bottom_up,
 )
-from span_workflows.json_ir import from_json, parse_json
-from span_workflows.layout import SpanOptions
-from span_workflows.optimize import optimize
+from span_workflows.query.json_ir import from_json, parse_json
+from span_workflows.query.span_options import SpanOptions
 
 BS = 32
 _FIXTURE_OK = [HealthCheck.function_scoped_fixture]

@@ -17,11 +17,11 @@ import pytest
 import span_vllm
 import span_workflows
 from span_workflows.errors import SpanQueryError
-from span_workflows.json_ir import MAX_JSON_NESTING, from_json
+from span_workflows.query.json_ir import MAX_JSON_NESTING, from_json
+from span_workflows.query.validate import MAX_DEPTH
 from span_workflows.serving import launch
 from span_workflows.serving.client import SpanServer
 from span_workflows.serving.launch import server_command
-from span_workflows.validate import MAX_DEPTH
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*Path(span_workflows.__file__).parent.rglob("*.py"),
@@ -152,8 +152,8 @@ PAYLOADS = ["__import__('os').system('touch /tmp/pwned')", "{{ cycler.__init__._
 
 @pytest.mark.parametrize("payload", PAYLOADS)
 def test_user_text_stays_data(payload: str, tokenizer) -> None:
-    from span_workflows.compile import Compiler
-    from span_workflows.optimize import optimize
+    from span_workflows.compiler.compile import Compiler
+    from span_workflows.compiler.optimize import optimize
 
     node = from_json(json.dumps({"g": {"input": {"cross": [
         {"system": payload}, {"plus": [{"fragment": payload}]}, {"user": payload}]}}}))

@@ -1,5 +1,5 @@
 """The plugin's block-alignment logits processor on its own (vLLM's batch-update protocol, a
-tiny vocabulary); the real engine runs it in tests/span_workflows/test_engine_align.py."""
+tiny vocabulary); the real engine runs it in tests/span_workflows/runtime/test_engine_align.py."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ def _executor(monkeypatch, **env: str) -> str:
     with the patches applied and the engine core in a process of its own (a server's case)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from span_workflows.model import resolve_model
+    from span_workflows.compiler.model import resolve_model
 
     patches._patch_cpu_executor()  # what apply() runs in span mode
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

@@ -5,8 +5,9 @@ documents a :class:`~langchain_span_workflows.retrievers.SpanRetriever` returned
 of a :func:`~langchain_span_workflows.runnables.commutative_step`) are found inside the final
 prompt text, whatever template and ``format_docs`` put them there, and sent as a plus span
 between the ordered text before and after them
-(:func:`span_workflows.fragments.lift_messages`). Everything else stays an ordered chat. The
-query runs on any :class:`span_workflows.backend.QueryBackend` (:mod:`span_workflows.runner`);
+(:func:`span_workflows.query.lift.lift_messages`). Everything else stays an ordered chat. The
+query runs on any :class:`span_workflows.runtime.backend.QueryBackend`
+(:mod:`span_workflows.frameworks`);
 streaming is token by token on both the embedded engine and a server.
 """
 
@@ -42,11 +43,11 @@ from langchain_span_workflows.tools import (
     tool_calls_of,
     tool_result_text,
 )
-from span_workflows.fragments import lift_messages
-from span_workflows.ir import Generate, role_name
-from span_workflows.model import DEFAULT_MODEL_NAME
-from span_workflows.result import Result
-from span_workflows.runner import QueryRunner
+from span_workflows.compiler.model import DEFAULT_MODEL_NAME
+from span_workflows.frameworks import QueryRunner
+from span_workflows.query.ir import Generate, role_name
+from span_workflows.query.lift import lift_messages
+from span_workflows.runtime.result import Result
 
 
 class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
@@ -63,12 +64,12 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
                  "question": RunnablePassthrough()} | prompt | llm | StrOutputParser()
         ```
 
-    ``last_result`` holds the :class:`span_workflows.result.Result` of the latest call (its
+    ``last_result`` holds the :class:`span_workflows.runtime.result.Result` of the latest call (its
     ``metrics`` and, on the embedded engine, its compiled ``query``).
 
     Tools (``bind_tools``) and structured output (``with_structured_output``) are generated
     under vLLM's structured outputs, so the answer is always a valid call or valid JSON (see
-    :mod:`span_workflows.sampling`). Sampling options (``top_p``, ``top_k``, ``seed``,
+    :mod:`span_workflows.query.sampling`). Sampling options (``top_p``, ``top_k``, ``seed``,
     ``logprobs``, penalties, ``stop``) go to vLLM's sampler; an option it does not know is
     refused with ``ValueError``.
     """
@@ -80,7 +81,7 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
     ``backend``/``server_url``/``engine``, the process's default engine loads it on first use
     (one model per process: another raises ``ValueError``)."""
     backend: Any = Field(default=None, exclude=True)
-    """A ``span_workflows.backend.QueryBackend`` (an ``Engine`` or a ``SpanServer``)."""
+    """A ``span_workflows.runtime.backend.QueryBackend`` (an ``Engine`` or a ``SpanServer``)."""
     engine: Any = Field(default=None, exclude=True)
     """An embedded ``span_workflows.Engine``; ``None``: the shared default engine."""
     server_url: str | None = Field(
@@ -116,7 +117,8 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
     streaming: bool = False
     span_options: Any = None
     """What spans attend to and how they are laid out (``"prefix"``, ``"self"``, a dict or a
-    ``span_workflows.layout.SpanOptions``); ``None``: the engine's or server's default."""
+    ``span_workflows.query.span_options.SpanOptions``); ``None``: the engine's or server's
+    default."""
     cache_salt: str | None = None
     """vLLM cache salt: this model's cached KV, spans included, is shared with no other salt."""
 

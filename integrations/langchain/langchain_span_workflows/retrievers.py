@@ -1,9 +1,9 @@
 """``SpanRetriever``: documents that commute.
 
 Wraps any LangChain retriever, or searches texts itself (all-MiniLM-L6-v2 embeddings in a faiss
-index, :class:`span_workflows.retrieval.VectorIndex`). The documents it returns are ordinary
+index, :class:`span_workflows.runtime.retrieval.VectorIndex`). The documents it returns are ordinary
 ``Document`` s; each one's ``page_content`` is registered as a commutative fragment
-(:func:`span_workflows.fragments.register`) and its metadata says so (``span_id``: the content
+(:func:`span_workflows.query.lift.register`) and its metadata says so (``span_id``: the content
 hash, ``span_commutative``: ``True``), so a :class:`~langchain_span_workflows.SpanChatModel`
 downstream sends them as a plus span, whatever the prompt template does with them.
 """
@@ -22,7 +22,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from span_workflows.fragments import register
+from span_workflows.query.lift import register
 
 
 class SpanRetriever(BaseRetriever):
@@ -78,8 +78,8 @@ class SpanRetriever(BaseRetriever):
         span after ``system``: queries that put these documents right after that system
         prompt then load them from the store, after a restart too. ``documents`` default to
         this retriever's ``texts`` (a wrapped retriever's documents must be given). Returns
-        :class:`span_workflows.span_store.IndexReport`."""
-        from span_workflows.runner import index_spans
+        :class:`span_workflows.runtime.store_index.IndexReport`."""
+        from span_workflows.frameworks import index_spans
 
         texts = list(documents) if documents is not None else self.texts
         if texts is None:
@@ -128,7 +128,7 @@ class SpanRetriever(BaseRetriever):
 
     def _get_index(self) -> Any:
         if self._index is None:
-            from span_workflows.retrieval import VectorIndex
+            from span_workflows.runtime.retrieval import VectorIndex
 
             assert self.texts is not None
             index = VectorIndex.from_texts(self.texts)

@@ -10,9 +10,9 @@ from langchain_core.prompts import BasePromptTemplate
 from langchain_core.runnables import RunnableLambda
 
 from langchain_span_workflows.chat_models import SpanChatModel, role_of_message
-from span_workflows.builders import agent_step, judge_generator
-from span_workflows.fragments import commutative_outputs
-from span_workflows.ir import Generate
+from span_workflows.query.builders import agent_step, judge_generator
+from span_workflows.query.ir import Generate
+from span_workflows.query.lift import commutative_outputs
 
 DEFAULT_JUDGE_PROMPT = (
     "Above are several candidate answers. Reply with the best one, improved if needed."

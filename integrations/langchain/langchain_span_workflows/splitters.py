@@ -3,7 +3,7 @@
 A document becomes a plus span that fills whole KV blocks: the compiler pads its end to the
 next block boundary, and on a miss those pad tokens are computed like the document's own. This
 splitter cuts text where a block is (nearly) full instead
-(:class:`span_workflows.chunking.BlockChunker`), so the chunks a ``SpanRetriever`` returns
+(:class:`span_workflows.runtime.chunking.BlockChunker`), so the chunks a ``SpanRetriever`` returns
 cost almost no padding. It is a LangChain document transformer: ``split_documents``,
 ``transform_documents``, ``create_documents`` and ``split_text``, like LangChain's own text
 splitters, with no other package needed.
@@ -16,15 +16,15 @@ from typing import Any
 
 from langchain_core.documents import BaseDocumentTransformer, Document
 
-from span_workflows.chunking import BlockChunker
-from span_workflows.runner import block_chunker
+from span_workflows.frameworks import block_chunker
+from span_workflows.runtime.chunking import BlockChunker
 
 
 class SpanTextSplitter(BaseDocumentTransformer):
     """Splits text at word boundaries into chunks of at most ``blocks`` KV blocks of
     ``engine`` (default: the process's default engine), each as full as the next word allows.
 
-    ``chunker`` (a :class:`~span_workflows.chunking.BlockChunker`) replaces ``engine`` and
+    ``chunker`` (a :class:`~span_workflows.runtime.chunking.BlockChunker`) replaces ``engine`` and
     ``blocks``. Each chunk keeps its document's metadata.
     """
 

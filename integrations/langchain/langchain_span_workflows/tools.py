@@ -8,7 +8,7 @@ messages to and from span queries.
   tool call), ``"json_schema"`` (the answer is constrained to the schema) or ``"json_mode"``
   (any JSON object);
 * in a history, an ``AIMessage``'s tool calls are rendered in the answer format the model
-  generates (:func:`span_workflows.sampling.render_calls`), and a ``ToolMessage`` is a user
+  generates (:func:`span_workflows.query.sampling.render_calls`), and a ``ToolMessage`` is a user
   turn ``Tool <name> returned:`` followed by its content (SmolLM2's template has no tool
   role); the results of one turn's calls commute (one plus span).
 """
@@ -27,8 +27,8 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from span_workflows.result import Result
-from span_workflows.sampling import Sampling, render_calls, render_content, render_tool_result
+from span_workflows.query.sampling import Sampling, render_calls, render_content, render_tool_result
+from span_workflows.runtime.result import Result
 
 #: Model fields that are sampling options (``None``: vLLM's default).
 SAMPLING_FIELDS = ("top_p", "top_k", "seed", "logprobs", "presence_penalty",

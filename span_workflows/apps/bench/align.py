@@ -45,9 +45,9 @@ from typing import Any
 
 from span_workflows.apps.bench.locality import HAY, NAMES, NEUTRAL, exact_match, needle_sentence
 from span_workflows.apps.bench.report import save_figure, wilson
-from span_workflows.builders import cross, g, plus, system, user
-from span_workflows.ir import Generate
-from span_workflows.layout import ALIGN_CHOICES, SpanOptions
+from span_workflows.query.builders import cross, g, plus, system, user
+from span_workflows.query.ir import Generate
+from span_workflows.query.span_options import ALIGN_CHOICES, SpanOptions
 
 TOPICS = (
     "the sea", "a fox", "a lighthouse", "winter", "a bakery", "a river", "the moon", "a train",
@@ -325,7 +325,7 @@ def run_needle(args: Any) -> int:
     import json
 
     from span_workflows.apps.bench.report import print_table
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     aligns = args.align or ["crop", "recompute", "pad"]
     engine = Engine(args.model, kv_cache_gib=3, max_num_seqs=128, progress=True)
@@ -345,7 +345,7 @@ def run_needle(args: Any) -> int:
 def run_nested(args: Any) -> int:
     """``span-workflows bench nested``: per alignment and stock; print and write the rows."""
     from span_workflows.apps.bench.report import print_table
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     engine = Engine(args.model, kv_cache_gib=4, max_num_seqs=128, progress=True)
     try:

@@ -128,7 +128,7 @@ def shape_for(ratio: float, doc_tokens: int, cache_tokens: int, uses_per_doc: fl
 
 def make_queries(shape: TraceShape, texts: Sequence[str]) -> list[Any]:
     """The span queries of ``shape``'s trace over documents ``texts``."""
-    from span_workflows.builders import rag
+    from span_workflows.query.builders import rag
 
     return [rag(SYSTEM, [texts[d] for d in docs],
                 f"Question {i}: which topic do the documents describe first?", max_tokens=4)
@@ -223,9 +223,9 @@ def one_engine_rows(setting: Setting) -> dict[str, Any]:
     import os
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from span_workflows.bulk import as_queries, key_items, schedule_items
-    from span_workflows.engine import Engine
-    from span_workflows.keys import QueryKeyer
+    from span_workflows.compiler.keys import QueryKeyer
+    from span_workflows.runtime.bulk import as_queries, key_items, schedule_items
+    from span_workflows.runtime.engine import Engine
 
     engine = Engine(setting.model, kv_cache_gib=1, kv_cache_blocks=setting.cache_blocks,
                     load_progress=False)
@@ -274,7 +274,7 @@ def ray_rows(setting: Setting, references: dict[float, Any], cache_tokens: int,
     """``cluster`` on ``replicas`` Ray Data actors for each ratio above 1 (the same queries
     and cache size as the one-engine rows)."""
 
-    from span_workflows.model import load_tokenizer
+    from span_workflows.compiler.model import load_tokenizer
     from span_workflows.scaleout.bulk import BulkOptions, run_bulk_on_ray
 
     tokenizer = load_tokenizer(setting.model)
@@ -475,7 +475,7 @@ def run_bulk_bench(argv: Sequence[str]) -> int:
             ray.shutdown()
     rows.sort(key=lambda r: (r["doc_tokens"], -r["working_set_over_cache"], r["engines"],
                              SCHEDULES.index(r["schedule"])))
-    from span_workflows.model import DEFAULT_MODEL_NAME
+    from span_workflows.compiler.model import DEFAULT_MODEL_NAME
 
     rows = stamp(rows, model=args.model or DEFAULT_MODEL_NAME)  # each row has its own reps
     print_table(rows)

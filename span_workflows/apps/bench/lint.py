@@ -2,7 +2,8 @@
 
 On the labelled set (:mod:`span_workflows.apps.bench.lint_set`), every case is linted twice in one
 run, on one engine: the static checks alone, then static + the order check
-(:func:`span_workflows.lint.lint` with the engine, ``--trials`` orders and controls, greedy).
+(:func:`span_workflows.commutativity.lint.lint` with the engine, ``--trials`` orders and controls,
+greedy).
 For each label (commuting / order-dependent) and each kind of case the table gives the share
 of pluses *flagged* — for the order-dependent ones the recall, for the commuting ones the
 false-positive rate — by static checks alone and by static + order check, and the time per
@@ -20,7 +21,7 @@ from typing import Any
 
 from span_workflows.apps.bench.lint_set import LabelledPlus, labelled_set
 from span_workflows.apps.bench.report import save_figure, wilson
-from span_workflows.lint import (
+from span_workflows.commutativity.lint import (
     DEFAULT_ANSWER_TOKENS,
     DEFAULT_MARGIN,
     KL_FACTOR,
@@ -233,14 +234,14 @@ def plot_lint(summary_rows: Sequence[dict[str, Any]], path: Path) -> None:
 def run_lint_bench(args: Any) -> int:
     """``span-workflows bench lint``: run, print the summary, write what was asked for."""
     from span_workflows.apps.bench.report import print_table
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     trials = args.trials or 3
     if trials < 2:
         from span_workflows.errors import SpanQueryError
 
         raise SpanQueryError("--trials", "must be at least 2")
-    from span_workflows.model import DEFAULT_MODEL_NAME
+    from span_workflows.compiler.model import DEFAULT_MODEL_NAME
 
     cases = labelled_set(held_out=True)
     store = CheckStore(args.answers)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from span_workflows.builders import assistant, fragment, g, system, user
-from span_workflows.ir import Cross, Node, Plus
-from span_workflows.sampling import render_calls, render_tool_result
+from span_workflows.query.builders import assistant, fragment, g, system, user
+from span_workflows.query.ir import Cross, Node, Plus
+from span_workflows.query.sampling import render_calls, render_tool_result
 
 RAG_SYSTEM = "Answer the question using only the texts. Be brief."
 STEPS_SYSTEM = "Answer the question about the instructions. Be brief."

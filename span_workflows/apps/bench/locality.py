@@ -3,7 +3,8 @@
 The paper's attention-locality experiment: 8 inner generations each produce a text; exactly one
 of them holds a random name (the needle) at its start, middle or end, surrounded by hay; a judge
 reads all 8 and must name the needle. The *flat* judge reads the 8 texts at once,
-``G(x(S, +(G1..G8), U))``; the *tournament* (:func:`span_workflows.locality.tournament`, fan-in 2)
+``G(x(S, +(G1..G8), U))``; the *tournament* (:func:`span_workflows.compiler.locality.tournament`,
+fan-in 2)
 has 2-way judges in 3 rounds, each quoting what it found, so no judge attends over more than
 two texts. Every judge is asked to *quote the sentence that gives the secret name* (quoting the
 evidence is what a 135M model does most reliably, and it gives the next round a sentence to
@@ -18,8 +19,8 @@ hay of a given length around a given name, so each inner generation is a *copy t
 generators are told the name to write. The inner G's are real nested generations under the
 judge's plus: the judge reuses each one's prompt and output span, exactly the KV computed while
 generating, and the judge's ``align`` (``aligns``, ``--align``) says how it reads each one's
-partial last KV block (``crop`` drops it; see :mod:`span_workflows.layout`). Each inner G
-writes at most ``copy_tokens`` tokens (default 8; ``--copy-tokens 0`` copies the whole text)
+partial last KV block (``crop`` drops it; see :mod:`span_workflows.query.span_options`). Each inner
+G writes at most ``copy_tokens`` tokens (default 8; ``--copy-tokens 0`` copies the whole text)
 because decoding hundreds of tokens per candidate is too slow on a shared CPU; the text with
 the needle is therefore in the inner *prompt*, which cropping never cuts (it
 only drops output tokens of a partial block), so crop on/off measures the effect of the cut
@@ -51,10 +52,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from span_workflows.apps.bench.report import save_figure, wilson
-from span_workflows.builders import cross, g, plus, system, user
-from span_workflows.ir import Generate
-from span_workflows.layout import SpanOptions
-from span_workflows.locality import tournament
+from span_workflows.compiler.locality import tournament
+from span_workflows.query.builders import cross, g, plus, system, user
+from span_workflows.query.ir import Generate
+from span_workflows.query.span_options import SpanOptions
 
 NAMES = (
     "Marigold", "Thaddeus", "Ophelia", "Bartholomew", "Zenobia", "Cornelius", "Evangeline",
@@ -360,7 +361,7 @@ def run_locality(args: Any) -> int:
     import json
 
     from span_workflows.apps.bench.report import print_table
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     for p in args.positions:
         if p not in POSITIONS:

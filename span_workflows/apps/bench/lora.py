@@ -54,9 +54,9 @@ def measure(config: str, prompt_tokens: int, reps: int) -> dict[str, Any]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from span_vllm.contract import LORA_MERGE_ENV
     from span_workflows.apps.bench.provenance import provenance
-    from span_workflows.builders import g, user
-    from span_workflows.engine import Engine
-    from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+    from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+    from span_workflows.query.builders import g, user
+    from span_workflows.runtime.engine import Engine
 
     model, with_adapters, weights, ops = CONFIGS[config]
     if ops == "grouped":

@@ -44,7 +44,7 @@ def provenance(engine: Any = None, *, reps: int | None = None,
         fields["adapters"] = {name: adapter.digest
                               for name, adapter in engine.router.adapters.items()}
     elif model is not None:
-        from span_workflows.model import resolve_model
+        from span_workflows.compiler.model import resolve_model
 
         fields["model"] = model
         fields["model_dir"] = resolve_model(model, progress=False).name

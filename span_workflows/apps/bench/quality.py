@@ -22,8 +22,8 @@ paragraph, 65–85 tokens; ``long``: 256–512 tokens, what a RAG chunker return
   over it; ``…_own`` the same at 16 documents of the row's size.
 
 Variants: ``stock`` (the plain chat prompt, vLLM's prefix caching), the span modes of
-:class:`~span_workflows.layout.SpanOptions` (what spans attend to × link blocks × where the
-padding goes × marker) — the ``prefix/link…`` family is the *link frontier*, accuracy against
+:class:`~span_workflows.query.span_options.SpanOptions` (what spans attend to × link blocks × where
+the padding goes × marker) — the ``prefix/link…`` family is the *link frontier*, accuracy against
 speed — and ``full@<layout>``: the span layout's tokens with ordinary full attention, which
 separates what the layout costs from what isolation costs.
 """
@@ -47,9 +47,9 @@ from span_workflows.apps.bench.qa_set import (
     make_questions,
 )
 from span_workflows.apps.bench.report import save_figure, wilson
-from span_workflows.builders import rag
-from span_workflows.layout import SpanOptions
 from span_workflows.logprobs import kl_top, mean_kl
+from span_workflows.query.builders import rag
+from span_workflows.query.span_options import SpanOptions
 
 SYSTEM = "Answer the question using only the documents. Be brief."
 MAX_TOKENS = 40
@@ -119,12 +119,12 @@ class _Answers:
 
 #: The modules whose change can change a stock answer: the questions, how a query is built,
 #: compiled and rendered by the model's chat template.
-_STOCK_CODE = ("span_workflows.apps.bench.qa_set", "span_workflows.builders",
-               "span_workflows.compile", "span_workflows.render")
+_STOCK_CODE = ("span_workflows.apps.bench.qa_set", "span_workflows.query.builders",
+               "span_workflows.compiler.compile", "span_workflows.compiler.render")
 #: ... and a span answer besides: the optimizer, the span options, the plan of engine steps,
 #: the routing of the default engine and the patched vLLM (the plugin's package).
-_SPAN_CODE = ("span_workflows.optimize", "span_workflows.layout", "span_workflows.plan",
-              "span_workflows.routing", "span_vllm")
+_SPAN_CODE = ("span_workflows.compiler.optimize", "span_workflows.query.span_options",
+              "span_workflows.runtime.plan", "span_workflows.runtime.routing", "span_vllm")
 
 
 def code_version(span: bool) -> str:
@@ -534,7 +534,7 @@ def plot_quality(rows: list[dict[str, Any]], path: Path) -> None:
 def run_quality(args: Any) -> int:
     """``span-workflows bench quality``: run, print the table, write what was asked for."""
     from span_workflows.apps.bench.report import print_table
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     names = list(args.variants or DEFAULT_VARIANTS)
     for name in names:

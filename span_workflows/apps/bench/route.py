@@ -190,7 +190,7 @@ def run_route(argv: Sequence[str]) -> int:
     if args.mode == "sim":  # no model runs: its costs are CostModel's
         rows = [{**row, "model": None} for row in stamp(rows, reps=1)]
     else:
-        from span_workflows.model import DEFAULT_MODEL_NAME
+        from span_workflows.compiler.model import DEFAULT_MODEL_NAME
 
         rows = stamp(rows, reps=1, model=DEFAULT_MODEL_NAME)
     if not args.no_write:

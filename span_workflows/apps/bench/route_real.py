@@ -36,7 +36,7 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
     import ray
     from ray import serve
 
-    from span_workflows.model import load_tokenizer
+    from span_workflows.compiler.model import load_tokenizer
     from span_workflows.scaleout.deployment import APP_NAME, ClusterOptions, build_app
     from span_workflows.serving.launch import free_port
 
@@ -111,7 +111,7 @@ async def _send(url: str, trace: list[Any], texts: list[str], salt: str,
                 concurrency: int) -> list[tuple[dict[str, Any], str]]:
     import httpx
 
-    from span_workflows.builders import rag
+    from span_workflows.query.builders import rag
     from span_workflows.serving import wire
 
     gate = asyncio.Semaphore(concurrency)

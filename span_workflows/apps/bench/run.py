@@ -49,7 +49,7 @@ from typing import Any
 from span_workflows.apps.bench.provenance import stamp
 from span_workflows.apps.bench.report import plot, print_table
 from span_workflows.apps.demo.corpus import documents
-from span_workflows.builders import g, rag, user
+from span_workflows.query.builders import g, rag, user
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
@@ -152,7 +152,7 @@ def bench_reposition(block_counts: Sequence[int], reps: int = 5) -> list[dict[st
     import torch
 
     from span_vllm import CpuKeyLayout, RopeRotator
-    from span_workflows.model import BASE_MODEL_NAME
+    from span_workflows.compiler.model import BASE_MODEL_NAME
 
     layers, heads, bs, dim = 30, 3, 32, 64
     rotator, layout = RopeRotator.from_base(100000.0, dim), CpuKeyLayout(dim)
@@ -186,7 +186,7 @@ def bench_compile(engine: Any, docs_counts: Sequence[int], doc_tokens: int,
                   reps: int = 5) -> list[dict[str, Any]]:
     """Optimize + compile time per RAG query (warm fragment-token cache), and its share of the
     span-hit TTFT measured in the same run."""
-    from span_workflows.optimize import optimize
+    from span_workflows.compiler.optimize import optimize
 
     docs = documents(engine.tokenizer, max(docs_counts), doc_tokens)
     rows = []
@@ -297,7 +297,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
                      reps=max(args.reps, 21))
         x, ys, label = "blocks", ["rotate_tokens_per_ms", "copy_tokens_per_ms"], "tokens / ms"
     else:
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         engine = Engine(args.model, kv_cache_gib=4, progress=True)
         try:

@@ -63,8 +63,8 @@ def bench_ways(engine: Any, docs: list[str], k: int, reps: int,
 
     from span_vllm import span_store_flush
     from span_workflows.apps.bench.quality import new_combinations
-    from span_workflows.builders import rag
-    from span_workflows.span_store import index_documents
+    from span_workflows.query.builders import rag
+    from span_workflows.runtime.store_index import index_documents
 
     report = index_documents(engine, docs, SYSTEM, batch_size=8, progress=progress)
     span_store_flush()
@@ -170,8 +170,8 @@ def bench_corpus(engine: Any, docs: list[str], indexed: int, queries: int, seed:
     from tqdm.auto import tqdm
 
     from span_vllm import span_store_flush
-    from span_workflows.builders import rag
-    from span_workflows.span_store import index_documents
+    from span_workflows.query.builders import rag
+    from span_workflows.runtime.store_index import index_documents
 
     rng = random.Random(seed)
     first_pick = rng.sample(docs[:indexed], min(indexed, CORPUS_QUERY_DOCS))
@@ -217,7 +217,7 @@ def run_store(argv: list[str]) -> int:
     from span_workflows.apps.bench.provenance import stamp
     from span_workflows.apps.bench.report import print_table
     from span_workflows.apps.demo.corpus import documents
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     directory = Path(args.store) if args.store else Path(tempfile.mkdtemp(prefix="span-store-"))
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.result import BulkAnswer
+from span_workflows.runtime.result import BulkAnswer
 from span_workflows.serving import wire
 
 #: Runs a bulk of JSON lines; yields answers indexed within those lines, as they are ready.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from span_workflows.lint import LintReport, PlusReport
+from span_workflows.commutativity.lint import LintReport, PlusReport
 
 VERDICT_STYLE = {"flagged": "bold red", "warning": "yellow", "clean": "green"}
 SEVERITY_STYLE = {"error": "red", "warning": "yellow", "note": "dim"}

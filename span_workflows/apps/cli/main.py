@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Generate, Node, iter_nodes, rewrite_bottom_up
-from span_workflows.json_ir import from_json
-from span_workflows.span_store import DEFAULT_INDEX_SYSTEM
+from span_workflows.query.ir import Generate, Node, iter_nodes, rewrite_bottom_up
+from span_workflows.query.json_ir import from_json
+from span_workflows.runtime.store_index import DEFAULT_INDEX_SYSTEM
 
 if TYPE_CHECKING:
     from span_workflows.tune.train import TuneConfig
@@ -194,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_lint(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from span_workflows.lint import DEFAULT_ANSWER_TOKENS, DEFAULT_MARGIN
+    from span_workflows.commutativity.lint import DEFAULT_ANSWER_TOKENS, DEFAULT_MARGIN
 
     lint = sub.add_parser(
         "lint", help="is each plus really commutative? static checks; --trials: on the engine",
@@ -224,7 +224,7 @@ def _add_lint(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
 
 
 def _cmd_lint(args: argparse.Namespace) -> int:
-    from span_workflows.lint import lint
+    from span_workflows.commutativity.lint import lint
 
     queries = load_queries(args.files)
     engine = None
@@ -240,7 +240,7 @@ def _cmd_lint(args: argparse.Namespace) -> int:
         check_queries(queries, name, args.block_size, span_mode=False,
                       labels=[str(p) for p in args.files])
         from span_workflows.apps.cli.progress import engine_loading
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         with engine_loading():
             engine = Engine(name, block_size=args.block_size, progress=True,
@@ -368,7 +368,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
         return 0
     print(f"adapter: {report.adapter}")
     if args.merge is not None:
-        from span_workflows.model import BASE_MODEL_NAME, merge_adapter, resolve_model
+        from span_workflows.compiler.model import BASE_MODEL_NAME, merge_adapter, resolve_model
 
         merge_adapter(resolve_model(args.model or BASE_MODEL_NAME, progress=False),
                       report.adapter, args.merge)
@@ -398,7 +398,7 @@ def pick_model(queries: Sequence[Node], override: str | None) -> tuple[str | Non
     ``override`` wins over the models named in the queries; without it, every named model must
     be available here (the bundled default's name, or a local directory).
     """
-    from span_workflows.model import resolve_model
+    from span_workflows.compiler.model import resolve_model
 
     if override is not None:
         if not _is_default(override):
@@ -426,14 +426,14 @@ def with_model(node: Node, model: str | None) -> Node:
 
 
 def _is_default(name: str) -> bool:
-    from span_workflows.model import DEFAULT_MODEL_NAME
+    from span_workflows.compiler.model import DEFAULT_MODEL_NAME
 
     return name.lower() == DEFAULT_MODEL_NAME
 
 
 def _add_bulk_options(run: argparse.ArgumentParser) -> None:
     """``run --bulk``: many queries from a JSON-lines file, answers to ``--out``."""
-    from span_workflows.bulk import DEFAULT_MAX_IN_FLIGHT, SCHEDULES
+    from span_workflows.runtime.bulk import DEFAULT_MAX_IN_FLIGHT, SCHEDULES
 
     group = run.add_argument_group("bulk (many queries, scheduled by the spans they share)")
     group.add_argument("--bulk", type=Path, metavar="QUERIES.jsonl",
@@ -499,11 +499,11 @@ def _cmd_run_bulk(args: argparse.Namespace) -> int:
         report = run_bulk_file(on_ray, args.bulk, args.out)
     else:
         if model is not None:
-            from span_workflows.model import resolve_model
+            from span_workflows.compiler.model import resolve_model
 
             resolve_model(model, progress=False)
         from span_workflows.apps.cli.progress import engine_loading
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         with engine_loading():
             engine = Engine(model, block_size=args.block_size, progress=True,
@@ -538,7 +538,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                       args.block_size, span_mode=not args.stock,
                       labels=[str(p) for p in args.files])
         from span_workflows.apps.cli.progress import engine_loading
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         with engine_loading():
             engine = Engine(None if model is None or _is_default(model) else model,
@@ -571,10 +571,10 @@ def _run_store(args: argparse.Namespace) -> tuple[Path | None, float | None]:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
 
-    from span_workflows.compile import Compiler
-    from span_workflows.model import load_tokenizer
-    from span_workflows.optimize import optimize
-    from span_workflows.pretty import pretty
+    from span_workflows.compiler.compile import Compiler
+    from span_workflows.compiler.model import load_tokenizer
+    from span_workflows.compiler.optimize import optimize
+    from span_workflows.query.pretty import pretty
 
     queries = load_queries(args.files)
     model, queries = pick_model(queries, args.model)
@@ -584,7 +584,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         tree = optimize(query)
         print(f"== {path}\n{pretty(tree)}")
         if isinstance(tree, Generate):
-            from span_workflows.compile import NestedOutput, nested_generations
+            from span_workflows.compiler.compile import NestedOutput, nested_generations
 
             nested = {p: NestedOutput(compiler.inner_prompt(g).token_ids, (), "")
                       for p, g in nested_generations(tree)}
@@ -597,7 +597,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     engine = None
     if args.model:
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         engine = Engine(args.model, progress=True)
     run_demo(engine=engine)
@@ -664,7 +664,7 @@ def _store_gib(store: Path | None, gib: float | None, option: str) -> float | No
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from span_workflows.span_store import index_documents, read_corpus
+    from span_workflows.runtime.store_index import index_documents, read_corpus
 
     docs = read_corpus(args.corpus)
     if args.batch_size < 1:
@@ -673,7 +673,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if args.cache_salt is not None and not args.cache_salt:
         raise SpanQueryError("--cache-salt", "must be a non-empty string")
     from span_workflows.apps.cli.progress import engine_loading
-    from span_workflows.engine import Engine
+    from span_workflows.runtime.engine import Engine
 
     with engine_loading():
         engine = Engine(None if args.model is None or _is_default(args.model) else args.model,

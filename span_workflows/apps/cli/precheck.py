@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Cross, Generate, Node, Plus
+from span_workflows.query.ir import Cross, Generate, Node, Plus
 
 
 def model_context(model_dir: Path) -> int | None:
@@ -27,9 +27,9 @@ def check_queries(queries: Sequence[Node], model: str | None, block_size: int, *
     for one that cannot fit the model's context even so."""
     from transformers import AutoTokenizer
 
-    from span_workflows.compile import Compiler, NestedOutput, nested_generations
-    from span_workflows.model import resolve_model
-    from span_workflows.plan import Planner
+    from span_workflows.compiler.compile import Compiler, NestedOutput, nested_generations
+    from span_workflows.compiler.model import resolve_model
+    from span_workflows.runtime.plan import Planner
 
     model_dir = resolve_model(model, progress=True)
     max_len = model_context(model_dir)

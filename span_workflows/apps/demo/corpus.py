@@ -4,7 +4,7 @@ The corpus needs no download: it is the docstrings of a fixed list of well-known
 standard-library modules and of their public functions, classes and class methods, chunked into
 passages of roughly 60–120 words (:func:`stdlib_passages`), or, for the demo, cut to an engine's
 KV blocks (:func:`block_documents`); :func:`stdlib_index` searches them with a
-:class:`~span_workflows.retrieval.VectorIndex`.
+:class:`~span_workflows.runtime.retrieval.VectorIndex`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from span_workflows.chunking import BlockChunker
-from span_workflows.retrieval import Passage, VectorIndex
+from span_workflows.runtime.chunking import BlockChunker
+from span_workflows.runtime.retrieval import Passage, VectorIndex
 
 #: Words per passage: every passage has at most ``MAX_WORDS``; all but possibly the last
 #: passage of a module have at least ``MIN_WORDS``.
@@ -216,8 +216,8 @@ def block_documents(
     """Chunk ``(source, text)`` documents of one group into passages sized to KV blocks.
 
     The documents' words are read as one stream, in order, and cut into the longest runs
-    that fit ``chunker``'s blocks (:meth:`~span_workflows.chunking.BlockChunker.windows`), so
-    every passage but the group's last ends within a word of a block boundary. A passage's
+    that fit ``chunker``'s blocks (:meth:`~span_workflows.runtime.chunking.BlockChunker.windows`),
+    so every passage but the group's last ends within a word of a block boundary. A passage's
     source is its document's, or ``"group: a, b"`` when it holds words of several.
     """
     words: list[str] = []

@@ -1,7 +1,7 @@
 """``span-workflows demo``: RAG over the Python stdlib docs, span queries vs stock vLLM.
 
 The span queries run on the span-ready adapter, served as LoRA beside the base; stock runs
-on the base (:mod:`span_workflows.routing`); the table says which weights answered.
+on the base (:mod:`span_workflows.runtime.routing`); the table says which weights answered.
 
 For each question the demo retrieves ``k`` passages from the built-in stdlib index, answers with
 a span query ``rag(SYSTEM, docs, question)`` and, for comparison, with the same query as a plain
@@ -10,7 +10,7 @@ the span run finds every document's KV cache wherever it now sits (position-inde
 while stock prefix caching only matches up to the first document that moved.
 
 The index cuts the documentation into passages of ``PASSAGE_BLOCKS`` of the engine's KV blocks
-(:mod:`span_workflows.chunking`), so the span queries compute almost no padding, and both
+(:mod:`span_workflows.runtime.chunking`), so the span queries compute almost no padding, and both
 modes first answer two warm-up questions over filler passages with the demo's system prompt,
 as a running service has: the first retrieval of each question is then every document a miss,
 the system prompt seen.
@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from span_workflows.apps.demo.corpus import stdlib_index
-from span_workflows.builders import fragment, rag
-from span_workflows.retrieval import Passage, VectorIndex
+from span_workflows.query.builders import fragment, rag
+from span_workflows.runtime.retrieval import Passage, VectorIndex
 
 DEFAULT_QUESTIONS: tuple[str, ...] = (
     "How do I serialize a Python object to a JSON string?",
@@ -39,7 +39,7 @@ SYSTEM = (
 
 MAX_TOKENS = 48
 #: KV blocks per passage of the demo's index: passages cut to end near a block boundary, so
-#: the span queries compute almost no padding (:mod:`span_workflows.chunking`).
+#: the span queries compute almost no padding (:mod:`span_workflows.runtime.chunking`).
 PASSAGE_BLOCKS = 5
 ORDERS = ("retrieved", "reversed")
 
@@ -55,7 +55,7 @@ def run_demo(
 ) -> list[dict[str, Any]]:
     """Run the demo and print its report; return one row per (question, document order).
 
-    ``engine``: an :class:`~span_workflows.engine.Engine` (one is started, and closed at the
+    ``engine``: an :class:`~span_workflows.runtime.engine.Engine` (one is started, and closed at the
     end, when ``None``). ``console``: a print-like callable, or a ``rich`` Console.
     ``index``: the retriever (default: :func:`stdlib_index` in passages of ``PASSAGE_BLOCKS``
     KV blocks of the engine, built once and cached).
@@ -73,7 +73,7 @@ def run_demo(
     if own:
         import os
 
-        from span_workflows.engine import Engine
+        from span_workflows.runtime.engine import Engine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         say("Starting the embedded engine (SmolLM2-135M-Instruct on vLLM)…")
@@ -229,7 +229,7 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
 
 def _short_weights(name: str) -> str:
     """A weights name as the table shows it: the span-ready adapter as "adapter"."""
-    from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+    from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 
     return {SPAN_MODEL_NAME: "adapter", BASE_MODEL_NAME: "base"}.get(name, name or "?")
 

@@ -2,8 +2,8 @@
 
 * :func:`draw_tree` draws a query tree with matplotlib (no graphviz needed): one box per node,
   coloured by kind (messages, ``G``, ``+`` plus, ``x`` cross, sugar).
-* :func:`show_token_form` renders a :class:`~span_workflows.compile.TokenizedQuery` as an HTML
-  string: one coloured block per span (ordered prefix, plus span, generated span, ordered
+* :func:`show_token_form` renders a :class:`~span_workflows.compiler.compile.TokenizedQuery` as an
+  HTML string: one coloured block per span (ordered prefix, plus span, generated span, ordered
   tail), its decoded text, and how much of it is padding to the KV block boundary. In a notebook:
   ``IPython.display.HTML(show_token_form(engine.compile(q), engine.tokenizer))``.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from span_workflows.ir import (
+from span_workflows.query.ir import (
     Assistant,
     Cross,
     Fragment,
@@ -25,7 +25,7 @@ from span_workflows.ir import (
     User,
     children_of,
 )
-from span_workflows.pretty import label
+from span_workflows.query.pretty import label
 
 #: Fill colours of :func:`draw_tree`'s boxes, by node type (others: ``_OTHER``).
 NODE_COLORS: dict[type, str] = {
@@ -77,8 +77,8 @@ def tree_layout(node: Node) -> tuple[list[tuple[Node, float, int]], list[tuple[i
 def draw_tree(node: Node, ax: Any = None, *, width: int = 18, fontsize: float = 8.0) -> Any:
     """Draw ``node``'s tree with matplotlib and return the axes.
 
-    Labels are :func:`span_workflows.pretty.label` with texts cut to ``width`` characters. With
-    no ``ax`` a new figure is made, sized to the tree.
+    Labels are :func:`span_workflows.query.pretty.label` with texts cut to ``width`` characters.
+    With no ``ax`` a new figure is made, sized to the tree.
     """
     import matplotlib.pyplot as plt
 

@@ -16,7 +16,7 @@ from span_workflows.apps.bench.bulk import (
     shape_for,
     working_set_tokens,
 )
-from span_workflows.result import BulkAnswer, Metrics, Result
+from span_workflows.runtime.result import BulkAnswer, Metrics, Result
 
 
 def test_the_trace_reads_k_documents_mostly_from_one_popular_topic() -> None:

@@ -41,7 +41,7 @@ def test_summary_counts_rates_by_label_and_kind() -> None:
 
 
 def test_order_checks_are_kept_and_read_back_at_any_margin(tmp_path: Path) -> None:
-    from span_workflows.lint import OrderCheck
+    from span_workflows.commutativity.lint import OrderCheck
 
     check = OrderCheck(3, 3, 0.4, 1.0, 0.01, 0.01, 0.5, ("a", "b", "c"), ("a",) * 3, 2.5)
     store = bl.CheckStore(tmp_path / "checks.json")

@@ -217,7 +217,7 @@ class _AnsweringEngine:
         pass
 
     def execute_many(self, queries, **run):  # type: ignore[no-untyped-def]
-        from span_workflows.ir import Plus, User
+        from span_workflows.query.ir import Plus, User
 
         self.calls += 1
         said = []
@@ -308,7 +308,7 @@ def test_quality_rows_on_the_engine_and_resume(engine, tmp_path: Path) -> None:
 def test_perplexity_of_held_out_text_is_finite_and_names_the_standard_library(
         tokenizer) -> None:
     from span_workflows.apps.bench.perplexity import heldout_passages, perplexity
-    from span_workflows.model import resolve_model
+    from span_workflows.compiler.model import resolve_model
 
     passages = heldout_passages(3)
     assert len(passages) == 3 and len(set(passages)) == 3
@@ -383,7 +383,7 @@ def test_the_routed_variant_is_the_default_engines_answers(engine, tmp_path: Pat
     """``routed`` answers span queries on the weights the router picks (the span-ready
     adapter, its own options), stock stays on the base; its stored answers name the adapter
     by content digest, so a retrained adapter is answered anew."""
-    from span_workflows.model import SPAN_MODEL_NAME
+    from span_workflows.compiler.model import SPAN_MODEL_NAME
 
     counting = CountingEngine(engine)
     store = bq.AnswerStore(tmp_path / "answers.json")

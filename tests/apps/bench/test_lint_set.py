@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import Counter
 
 from span_workflows.apps.bench.lint_set import COMMUTING_KINDS, ORDERED_KINDS, labelled_set
-from span_workflows.ir import Plus, walk
-from span_workflows.lint import lint
-from span_workflows.validate import validate
+from span_workflows.commutativity.lint import lint
+from span_workflows.query.ir import Plus, walk
+from span_workflows.query.validate import validate
 
 CASES = labelled_set()
 HELD_OUT = [c for c in labelled_set(held_out=True) if c.held_out]

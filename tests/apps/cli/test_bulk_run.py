@@ -11,7 +11,7 @@ from pathlib import Path
 
 from span_workflows.apps.cli.bulk_run import answered_lines, run_bulk_file
 from span_workflows.errors import SpanQueryError
-from span_workflows.result import BulkAnswer, Metrics, Result
+from span_workflows.runtime.result import BulkAnswer, Metrics, Result
 from span_workflows.serving import wire
 
 

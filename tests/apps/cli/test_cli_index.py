@@ -1,5 +1,6 @@
 """``span-workflows index``: a bad corpus or option is one clear line, before any engine starts
-(the indexing itself runs on the real engine in ``tests/span_workflows/test_engine_store.py``)."""
+(the indexing itself runs on the real engine in
+``tests/span_workflows/runtime/test_engine_store.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from span_workflows.apps.cli import main as cli
-from span_workflows.span_store import read_corpus
+from span_workflows.runtime.store_index import read_corpus
 
 
 @pytest.fixture(autouse=True)
 def no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    import span_workflows.engine as engine
+    import span_workflows.runtime.engine as engine
 
     def refuse(*args, **kwargs):
         raise AssertionError("an engine was started for a bad command")
@@ -75,7 +76,7 @@ class _FakeEngine:
 def test_index_documents_runs_under_the_tenants_cache_salt() -> None:
     """A tenant with a ``cache_salt`` indexes its own spans: its queries' blocks are keyed by
     the salt, so the indexing queries carry it too."""
-    from span_workflows.span_store import index_documents
+    from span_workflows.runtime.store_index import index_documents
 
     engine = _FakeEngine()
     report = index_documents(engine, ["a", "b", "c"], "sys", batch_size=2, progress=False,
@@ -88,8 +89,8 @@ def test_index_documents_runs_under_the_tenants_cache_salt() -> None:
 
 def test_index_takes_a_cache_salt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                   capsys) -> None:
-    import span_workflows.engine as engine_module
-    import span_workflows.span_store as span_store
+    import span_workflows.runtime.engine as engine_module
+    import span_workflows.runtime.store_index as span_store
 
     built: dict = {}
     indexed: dict = {}

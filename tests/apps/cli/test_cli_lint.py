@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from span_workflows import to_json
-from span_workflows.builders import fragment, g, system, user
-from span_workflows.ir import Plus
+from span_workflows.query.builders import fragment, g, system, user
+from span_workflows.query.ir import Plus
 
 CLI = [sys.executable, "-m", "span_workflows.apps.cli.main"]
 STEPS = ["Step 1: Preheat the oven to 200 °C.", "Step 2: Put the dough in a tin.",
@@ -95,7 +95,7 @@ def test_trials_run_the_order_check_on_the_engine(files, engine, monkeypatch, ca
         def close(self) -> None:  # the session's engine outlives the command
             pass
 
-    monkeypatch.setattr("span_workflows.engine.Engine", SessionEngine)
+    monkeypatch.setattr("span_workflows.runtime.engine.Engine", SessionEngine)
     code = main(["lint", str(files["steps"]), str(files["docs"]), "--trials", "2",
                  "--answer-tokens", "12", "--json"])
     steps, docs = json.loads(capsys.readouterr().out)

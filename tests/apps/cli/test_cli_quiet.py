@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from span_workflows.apps.cli import main as cli
-from span_workflows.model import DEFAULT_MODEL_NAME
+from span_workflows.compiler.model import DEFAULT_MODEL_NAME
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -1,7 +1,7 @@
 """``span-workflows run --span-store``: the embedded engine of ``run`` (one query after another,
 or a bulk) opens the span store it is given; the engine itself is stood in for (only the
 arguments it is built with are checked; the store on the real engine is
-``tests/span_workflows/test_engine_store.py``)."""
+``tests/span_workflows/runtime/test_engine_store.py``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> dict:
     """The keyword arguments the command builds its engine with (the build then stops the
     command: exit status 2)."""
     import span_workflows.apps.cli.precheck as precheck
-    import span_workflows.engine as engine_module
+    import span_workflows.runtime.engine as engine_module
 
     got: dict = {}
 

@@ -14,9 +14,9 @@ from span_workflows.apps.demo.corpus import (
     stdlib_passages,
     word_count,
 )
-from span_workflows.chunking import BlockChunker
-from span_workflows.compile import Compiler
-from span_workflows.retrieval import Passage
+from span_workflows.compiler.compile import Compiler
+from span_workflows.runtime.chunking import BlockChunker
+from span_workflows.runtime.retrieval import Passage
 
 
 def _words(n: int, tag: str = "w") -> str:

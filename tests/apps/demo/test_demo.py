@@ -6,8 +6,8 @@ import pytest
 
 from span_workflows.apps.demo.corpus import block_documents, module_documents
 from span_workflows.apps.demo.run import DEFAULT_QUESTIONS, PASSAGE_BLOCKS, run_demo
-from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
-from span_workflows.retrieval import VectorIndex
+from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.runtime.retrieval import VectorIndex
 
 pytestmark = pytest.mark.engine
 

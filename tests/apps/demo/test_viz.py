@@ -7,9 +7,9 @@ import matplotlib
 matplotlib.use("Agg")
 
 from span_workflows.apps.demo.viz import draw_tree, show_token_form, tree_layout  # noqa: E402
-from span_workflows.builders import judge_generator, rag  # noqa: E402
-from span_workflows.ir import iter_nodes  # noqa: E402
-from span_workflows.optimize import optimize  # noqa: E402
+from span_workflows.compiler.optimize import optimize  # noqa: E402
+from span_workflows.query.builders import judge_generator, rag  # noqa: E402
+from span_workflows.query.ir import iter_nodes  # noqa: E402
 
 
 def test_layout_places_every_node_once_per_occurrence():
@@ -40,7 +40,7 @@ def test_draw_tree_labels_every_node():
 
 
 def test_show_token_form_highlights_spans(tokenizer):
-    from span_workflows.compile import Compiler
+    from span_workflows.compiler.compile import Compiler
 
     compiler = Compiler.for_tokenizer(tokenizer, 32)
     q = optimize(rag("Be brief.", ["doc <one> & more", "doc two"], "Why?", max_tokens=8))

@@ -25,8 +25,8 @@ from langchain_span_workflows import (
     judge_generator_chain,
 )
 from span_workflows import Fragment, Plus, commutative, rag
-from span_workflows.fragments import is_registered, register, span_id
-from span_workflows.model import DEFAULT_MODEL_NAME
+from span_workflows.compiler.model import DEFAULT_MODEL_NAME
+from span_workflows.query.lift import is_registered, register, span_id
 
 QUESTION_1 = "Who built the Varnholm lighthouse and when?"
 QUESTION_2 = "How far away can the Varnholm lighthouse light be seen?"
@@ -205,7 +205,7 @@ def test_judge_generator_and_agent_step_runnables(engine) -> None:
 def test_server_path_sends_the_lifted_query() -> None:
     import httpx
 
-    from span_workflows.json_ir import from_json
+    from span_workflows.query.json_ir import from_json
     from span_workflows.serving.client import SpanServer
 
     seen = []

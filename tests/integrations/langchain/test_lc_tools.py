@@ -10,8 +10,8 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from langchain_span_workflows import SpanChatModel
-from span_workflows.ir import Assistant, Cross, Plus, User
-from span_workflows.sampling import answer_schema
+from span_workflows.query.ir import Assistant, Cross, Plus, User
+from span_workflows.query.sampling import answer_schema
 
 
 @tool

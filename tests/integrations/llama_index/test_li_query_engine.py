@@ -17,7 +17,7 @@ from llama_index.core.workflow import Event, StartEvent, StopEvent, Workflow, st
 from llama_index.llms.span_workflows import SpanLLM, commutative_step
 from llama_index.retrievers.span_workflows import SpanRetriever
 from span_workflows import commutative
-from span_workflows.fragments import is_registered, span_id
+from span_workflows.query.lift import is_registered, span_id
 
 QUESTION_1 = "Who built the Varnholm lighthouse and when?"
 QUESTION_2 = "How far away can the Varnholm lighthouse light be seen?"

@@ -94,7 +94,7 @@ def test_the_ingress_loads_its_tokenizer_before_a_replica_answers(monkeypatch) -
         pass
 
     monkeypatch.setattr(deployment, "_tokenizer", fake_tokenizer)
-    monkeypatch.setattr("span_workflows.keys.QueryKeyer", FakeKeyer)
+    monkeypatch.setattr("span_workflows.compiler.keys.QueryKeyer", FakeKeyer)
     core = deployment.SpanIngressCore(Handle(), {"router": "power-of-two"})
     assert loaded.wait(5)  # no replica asked yet
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from span_workflows.builders import rag
-from span_workflows.json_ir import to_obj
+from span_workflows.query.builders import rag
+from span_workflows.query.json_ir import to_obj
 from span_workflows.serving import wire
 
 ray = pytest.importorskip("ray")

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from span_workflows.builders import rag
+from span_workflows.query.builders import rag
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")

@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from span_workflows.builders import rag
-from span_workflows.model import DEFAULT_MODEL_NAME
+from span_workflows.compiler.model import DEFAULT_MODEL_NAME
+from span_workflows.query.builders import rag
 from span_workflows.serving import wire
 from span_workflows.serving.client import SpanServer
 from span_workflows.serving.launch import free_port

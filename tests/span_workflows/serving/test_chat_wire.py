@@ -7,8 +7,8 @@ import json
 import pytest
 
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Cross, Fragment, Plus, System, User
-from span_workflows.result import Metrics, Result
+from span_workflows.query.ir import Cross, Fragment, Plus, System, User
+from span_workflows.runtime.result import Metrics, Result
 from span_workflows.serving import chat_wire
 
 DOC_A = "The Eiffel Tower was completed in 1889 for the World's Fair."
@@ -139,7 +139,7 @@ def test_response_format_constrains_the_answer_to_a_schema() -> None:
 
 
 def test_a_tool_answer_is_shaped_as_openai_tool_calls() -> None:
-    from span_workflows.sampling import ToolCall
+    from span_workflows.query.sampling import ToolCall
 
     calls = [ToolCall("weather", {"city": "Paris"}, "call_1")]
     result = Result("", Metrics(0.1, 50, 0, 9), ['{"tool_calls":[...]}'],

@@ -8,9 +8,9 @@ import json
 import httpx
 import pytest
 
-from span_workflows.builders import g, user
-from span_workflows.engine import Metrics, Result
 from span_workflows.errors import SpanQueryError
+from span_workflows.query.builders import g, user
+from span_workflows.runtime.engine import Metrics, Result
 from span_workflows.serving.client import ServerError, ServerUnavailableError, SpanServer
 from span_workflows.serving.launch import free_port
 

@@ -16,9 +16,9 @@ import openai
 import pytest
 from shared_server import API_KEY
 
-from span_workflows.fragments import lift_messages
-from span_workflows.json_ir import to_obj
-from span_workflows.model import DEFAULT_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.compiler.model import DEFAULT_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.query.json_ir import to_obj
+from span_workflows.query.lift import lift_messages
 
 pytestmark = pytest.mark.engine
 
@@ -452,7 +452,7 @@ def test_framework_classes_stream_token_by_token_from_the_server(server: str) ->
 
     from langchain_span_workflows import SpanChatModel
     from llama_index.llms.span_workflows import SpanLLM
-    from span_workflows.builders import rag
+    from span_workflows.query.builders import rag
     from span_workflows.serving.client import SpanServer
 
     query = rag(SYSTEM, DOCS, QUESTION_LONG, max_tokens=24, temperature=0.0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from span_workflows.builders import chat, g, judge_generator, plus, rag, repeat, user
 from span_workflows.errors import SpanQueryError
-from span_workflows.json_ir import NODE_FIELDS, NODE_KINDS, from_json, to_obj
+from span_workflows.query.builders import chat, g, judge_generator, plus, rag, repeat, user
+from span_workflows.query.json_ir import NODE_FIELDS, NODE_KINDS, from_json, to_obj
 from span_workflows.serving import query_schema, wire
 
 SCHEMA = query_schema.query_schema()

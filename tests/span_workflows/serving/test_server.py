@@ -10,10 +10,10 @@ import httpx
 import pytest
 from shared_server import API_KEY
 
-from span_workflows.builders import g, judge_generator, rag, user
 from span_workflows.errors import SpanQueryError
-from span_workflows.ir import Plus
-from span_workflows.json_ir import to_obj
+from span_workflows.query.builders import g, judge_generator, rag, user
+from span_workflows.query.ir import Plus
+from span_workflows.query.json_ir import to_obj
 from span_workflows.serving.client import SpanServer
 
 pytestmark = pytest.mark.engine

@@ -7,9 +7,9 @@ import httpx
 import pytest
 from shared_server import API_KEY
 
-from span_workflows.builders import chat, rag
-from span_workflows.json_ir import to_obj
-from span_workflows.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.query.builders import chat, rag
+from span_workflows.query.json_ir import to_obj
 from span_workflows.serving.client import SpanServer
 
 pytestmark = pytest.mark.engine

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from span_workflows.compiler.optimize import optimize
 from span_workflows.errors import SpanQueryError
-from span_workflows.json_ir import from_json
-from span_workflows.optimize import optimize
-from span_workflows.result import Metrics, Result
+from span_workflows.query.json_ir import from_json
+from span_workflows.runtime.result import Metrics, Result
 from span_workflows.serving import spnl_wire
 
 INPUTS = ["zebra one", "apple two", "mango three", "apple two"]

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from span_workflows.builders import g, user
 from span_workflows.errors import ServerError, SpanQueryError
-from span_workflows.layout import SpanOptions
-from span_workflows.result import Metrics, Result
+from span_workflows.query.builders import g, user
+from span_workflows.query.span_options import SpanOptions
+from span_workflows.runtime.result import Metrics, Result
 from span_workflows.serving import wire
 
 QUERY = g(user("hi"), max_tokens=4, temperature=0.0)

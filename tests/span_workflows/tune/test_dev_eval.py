@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from span_workflows.compile import Compiler
-from span_workflows.layout import SpanOptions
+from span_workflows.compiler.compile import Compiler
+from span_workflows.query.span_options import SpanOptions
 from span_workflows.tune.dev_eval import FORMS, dev_query, dev_score, end_ids
 from span_workflows.tune.dev_set import LAYOUTS, make_dev_set
 from span_workflows.tune.forward import span_forward, span_prompt_cache

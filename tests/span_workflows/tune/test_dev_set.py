@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 
 from span_workflows.apps.bench import qa_set
-from span_workflows.compile import Compiler
-from span_workflows.layout import SpanOptions
+from span_workflows.compiler.compile import Compiler
+from span_workflows.query.span_options import SpanOptions
 from span_workflows.tune import data, dev_set
 from span_workflows.tune.dev_eval import chat_prompt_ids, dev_query, stock_prompt_ids
 from span_workflows.tune.dev_set import (

@@ -97,7 +97,7 @@ def test_the_recipe_checkpoint_fits_forty_megabytes(tmp_path: Path) -> None:
     model's config), after an optimizer step: the committed checkpoint is at most 40 MB."""
     from transformers import AutoConfig, LlamaConfig
 
-    from span_workflows.model import BASE_MODEL_NAME, resolve_model
+    from span_workflows.compiler.model import BASE_MODEL_NAME, resolve_model
     from span_workflows.tune.train import RECIPES
 
     real = AutoConfig.from_pretrained(str(resolve_model(BASE_MODEL_NAME, progress=False)))

@@ -76,7 +76,7 @@ def _tool_results(example) -> list[str]:
 
 
 def test_agent_turns_call_what_is_still_needed_then_answer_from_the_results() -> None:
-    from span_workflows.sampling import parse_answer
+    from span_workflows.query.sampling import parse_answer
     from span_workflows.tune.tool_data import make_tool_examples
 
     turns = make_tool_examples(200, seed=4)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from span_workflows import optimize, rag
-from span_workflows.layout import SpanOptions
-from span_workflows.model import ADAPTERS_DIR, BASE_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.compiler.model import ADAPTERS_DIR, BASE_MODEL_NAME, SPAN_MODEL_NAME
+from span_workflows.query.span_options import SpanOptions
 from span_workflows.tune.forward import span_forward, stock_forward
 from span_workflows.tune.train import _end_of_turn
 

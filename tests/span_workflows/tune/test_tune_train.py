@@ -81,14 +81,14 @@ def test_tune_learns_resumes_and_merges(tiny_tune_run: TinyTuneRun, tmp_path: Pa
     # the merged checkpoint is a plain model that records the span options it was trained
     # for (tests/apps/cli/test_cli.py serves it: an engine on it takes those options)
     assert (merged / "config.json").is_file() and not (merged / "adapter_config.json").exists()
-    from span_workflows.model import span_defaults
+    from span_workflows.compiler.model import span_defaults
 
     assert span_defaults(merged) == {"attend": "prefix", "link_blocks": 0}
 
 
 def test_an_agent_turn_is_trained_on_the_prompt_the_engine_runs_for_it(engine) -> None:
-    from span_workflows.fragments import lift_messages
-    from span_workflows.sampling import Sampling
+    from span_workflows.query.lift import lift_messages
+    from span_workflows.query.sampling import Sampling
     from span_workflows.tune.tool_data import make_tool_examples
     from span_workflows.tune.train import TRAINED_OPTIONS
 

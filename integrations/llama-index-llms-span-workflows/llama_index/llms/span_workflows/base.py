@@ -1,12 +1,12 @@
 """``SpanLLM``: a LlamaIndex LLM that runs span queries.
 
-Prompts are lifted like in the LangChain integration (:func:`span_workflows.fragments.
+Prompts are lifted like in the LangChain integration (:func:`span_workflows.query.lift.
 lift_messages`): the registered fragments found in a prompt (the nodes a
 :class:`llama_index.retrievers.span_workflows.SpanRetriever` returned, whatever the response
 synthesizer's template put around them) become a plus span between the ordered text before and
 after them, so the nodes hit the span cache in any order. The query runs on any
-:class:`span_workflows.backend.QueryBackend` (:mod:`span_workflows.runner`); streaming is token
-by token on both the embedded engine and a server.
+:class:`span_workflows.runtime.backend.QueryBackend` (:mod:`span_workflows.frameworks`); streaming
+is token by token on both the embedded engine and a server.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
 
-from span_workflows.fragments import commutative_outputs, lift_messages
-from span_workflows.ir import Generate, role_name
-from span_workflows.model import DEFAULT_MODEL_NAME
-from span_workflows.result import Result
-from span_workflows.runner import Chunk, QueryRunner
-from span_workflows.sampling import Sampling, render_calls, render_content, render_tool_result
+from span_workflows.compiler.model import DEFAULT_MODEL_NAME
+from span_workflows.frameworks import Chunk, QueryRunner
+from span_workflows.query.ir import Generate, role_name
+from span_workflows.query.lift import commutative_outputs, lift_messages
+from span_workflows.query.sampling import Sampling, render_calls, render_content, render_tool_result
+from span_workflows.runtime.result import Result
 
 R = TypeVar("R", CompletionResponse, ChatResponse)
 
@@ -47,10 +47,10 @@ class SpanLLM(CustomLLM, FunctionCallingLLM, QueryRunner):
 
     Runs on any query backend (``backend=``), a span server (``server_url=``) or the embedded
     engine (``engine=``, or the process-wide default one, created on first use).
-    ``last_result`` holds the :class:`span_workflows.result.Result` of the latest call.
+    ``last_result`` holds the :class:`span_workflows.runtime.result.Result` of the latest call.
 
     A function-calling LLM (``FunctionAgent``, ``chat_with_tools``): tool calls are generated
-    under vLLM's structured outputs (:mod:`span_workflows.sampling`), returned in
+    under vLLM's structured outputs (:mod:`span_workflows.query.sampling`), returned in
     ``message.additional_kwargs["tool_calls"]`` and read back by
     :meth:`get_tool_calls_from_response`. In a history, a ``tool`` message is a user turn
     ``Tool <name> returned: ...``; the results of one turn's calls commute (one plus span).

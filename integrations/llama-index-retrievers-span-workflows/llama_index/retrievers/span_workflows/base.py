@@ -1,9 +1,10 @@
 """``SpanRetriever`` for LlamaIndex: retrieved nodes that commute.
 
 Wraps any LlamaIndex retriever, or searches nodes/texts itself (all-MiniLM-L6-v2 + faiss,
-:class:`span_workflows.retrieval.VectorIndex`). Each returned node's prompt text (its content as a
+:class:`span_workflows.runtime.retrieval.VectorIndex`). Each returned node's prompt text (its
+content as a
 response synthesizer formats it, ``MetadataMode.LLM``) is registered as a commutative fragment
-(:func:`span_workflows.fragments.register`) and its metadata marks it (``span_id``,
+(:func:`span_workflows.query.lift.register`) and its metadata marks it (``span_id``,
 ``span_commutative``; both kept out of the LLM and embedding text), so
 :class:`llama_index.llms.span_workflows.SpanLLM` sends the nodes as one plus span.
 """
@@ -25,7 +26,7 @@ from llama_index.core.schema import (
     TextNode,
 )
 
-from span_workflows.fragments import register
+from span_workflows.query.lift import register
 
 SPAN_KEYS = ("span_id", "span_commutative")
 
@@ -89,8 +90,9 @@ class SpanRetriever(BaseRetriever):
         whose store ``SPAN_WORKFLOWS_SPAN_STORE`` names), as a plus span after ``system``:
         queries that put these nodes right after that system prompt then load them from the
         store, after a restart too. ``nodes`` default to this retriever's own (a wrapped
-        retriever's must be given). Returns :class:`span_workflows.span_store.IndexReport`."""
-        from span_workflows.runner import index_spans
+        retriever's must be given). Returns
+        :class:`span_workflows.runtime.store_index.IndexReport`."""
+        from span_workflows.frameworks import index_spans
 
         chosen = list(nodes) if nodes is not None else self.nodes
         if chosen is None:
@@ -126,7 +128,7 @@ class SpanRetriever(BaseRetriever):
     def _get_index(self) -> Any:
         with self._lock:
             if self._index is None:
-                from span_workflows.retrieval import VectorIndex
+                from span_workflows.runtime.retrieval import VectorIndex
 
                 assert self.nodes is not None
                 texts = [n.get_content(metadata_mode=MetadataMode.EMBED) for n in self.nodes]

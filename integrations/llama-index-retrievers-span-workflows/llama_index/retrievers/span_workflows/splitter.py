@@ -4,7 +4,7 @@ A retrieved node becomes a plus span that fills whole KV blocks: the compiler pa
 the next block boundary, and on a miss those pad tokens are computed like the node's own text.
 This splitter (a LlamaIndex ``TextSplitter``, so a node parser and an ingestion-pipeline
 transformation) cuts text where a block is (nearly) full instead
-(:class:`span_workflows.chunking.BlockChunker`).
+(:class:`span_workflows.runtime.chunking.BlockChunker`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import Any
 from llama_index.core.node_parser.interface import TextSplitter
 from pydantic import Field, PrivateAttr
 
-from span_workflows.chunking import BlockChunker
-from span_workflows.runner import block_chunker
+from span_workflows.frameworks import block_chunker
+from span_workflows.runtime.chunking import BlockChunker
 
 
 class SpanTextSplitter(TextSplitter):
     """Splits text at word boundaries into chunks of at most ``blocks`` KV blocks of
     ``engine`` (default: the process's default engine), each as full as the next word allows;
-    ``chunker`` (a :class:`~span_workflows.chunking.BlockChunker`) replaces both."""
+    ``chunker`` (a :class:`~span_workflows.runtime.chunking.BlockChunker`) replaces both."""
 
     blocks: int = Field(default=4, description="KV blocks per chunk, at most")
     _chunker: BlockChunker = PrivateAttr()
