@@ -42,7 +42,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from span_vllm import contract
-from span_vllm.config import enabled
+from span_vllm.contract import enabled
 
 if TYPE_CHECKING:
     from span_vllm.hashing import hash_blocks, routing_block_keys

@@ -161,10 +161,17 @@ KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_KV_CACHE_GIB = 2
 
 
-def layout_key() -> str:
-    """This process's layout key: from :data:`KEY_ENV`, or a new random one (set in the
-    environment, so engine processes started from here inherit it)."""
-    key = os.environ.get(KEY_ENV) or secrets.token_hex(16)
+def layout_key(*, create: bool = True) -> str:
+    """This process's layout key, from :data:`KEY_ENV`. Where it is unset, a launcher
+    (``create=True``) makes a new random one and sets it in the environment, so engine
+    processes started from here inherit it; inside an engine (``create=False``) span mode
+    without a key is a mistake of whoever started it, and a :class:`RuntimeError` names it."""
+    key = os.environ.get(KEY_ENV, "")
+    if not key and not create:
+        raise RuntimeError(
+            f"span mode is on ({ENABLE_ENV}=1) but {KEY_ENV} is not set; start engines through "
+            "span_workflows.Engine or `span-workflows serve`")
+    key = key or secrets.token_hex(16)
     os.environ[KEY_ENV] = key
     return key
 

@@ -43,12 +43,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from span_vllm import config as span_config
 from span_vllm.contract import (
     CPU_EXECUTOR_ENV,
     PROBE_CALL,
     STATS_CALL,
     STEPS_CALL,
+    layout_key,
     note_start,
 )
 from span_vllm.hashing import (
@@ -141,7 +141,7 @@ def apply() -> None:
                 f"span_vllm supports vLLM {SUPPORTED_VLLM}; the installed vLLM differs:\n  "
                 + "\n  ".join(problems)
             )
-        key = span_config.layout_key()
+        key = layout_key(create=False)
         _patch_hashing(key)
         _patch_scheduler(key)
         _patch_start_checks()

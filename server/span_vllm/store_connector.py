@@ -47,8 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from span_vllm.config import layout_key
-from span_vllm.contract import ORDERED
+from span_vllm.contract import ORDERED, layout_key
 from span_vllm.hashing import request_layout
 from span_vllm.stats import STATS
 from span_vllm.store import SpanStore, model_identity, namespace
@@ -103,7 +102,7 @@ class SpanStoreConnector(KVConnectorBase_V1):
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         # scheduler side
-        self._key = layout_key()
+        self._key = layout_key(create=False)
         self._matched: dict[str, tuple[int, list[bytes]]] = {}
         self._loads: list[tuple[int, bytes, int]] = []
         self._saves: list[tuple[int, bytes, int]] = []

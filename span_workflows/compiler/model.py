@@ -26,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from span_vllm.contract import adapter_digest
 from span_workflows.errors import ModelNotAvailableError
 
 #: SmolLM2-135M-Instruct as published (converted from the bundled GGUF).
@@ -116,9 +117,7 @@ def span_model_dir(*, progress: bool = True) -> Path:
     adapter = ADAPTERS_DIR / SPAN_MODEL_NAME
     if not (adapter / "adapter_config.json").is_file():
         raise ModelNotAvailableError(SPAN_MODEL_NAME, path=f"adapter ({adapter} missing)")
-    digest = hashlib.sha256(
-        "".join(_sha256(p, progress=False) for p in sorted(adapter.glob("adapter_*"))).encode()
-    ).hexdigest()
+    digest = adapter_digest(adapter)
     target = cache_dir() / f"{SPAN_MODEL_NAME}-{digest[:16]}"
     if target in _verified:
         return target
@@ -146,18 +145,27 @@ def is_base(name_or_path: str | Path | None) -> bool:
     return name_or_path is None or str(name_or_path).lower() == BASE_MODEL_NAME
 
 
-def span_defaults(model_dir: Path) -> dict[str, Any]:
-    """The span options a model directory (or adapter directory) records for itself in
-    :data:`SPAN_DEFAULTS_FILE` (``{"span_options": {...}}``), or ``{}``: engines started on a
-    span-ready model use them unless told otherwise."""
+def span_ready_options(model_dir: str | Path) -> dict[str, Any] | None:
+    """The span options a model (or adapter) directory records for itself in
+    :data:`SPAN_DEFAULTS_FILE` (``{"span_ready": true, "span_options": {...}}``), or ``None``
+    where it records none, says ``"span_ready": false`` or cannot be read."""
     path = Path(model_dir) / SPAN_DEFAULTS_FILE
     if not path.is_file():
-        return {}
+        return None
     try:
-        options = json.loads(path.read_text()).get("span_options", {})
-    except (OSError, ValueError, AttributeError):
-        return {}
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    options = record.get("span_options") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not record.get("span_ready", isinstance(options, dict)):
+        return None
     return dict(options) if isinstance(options, dict) else {}
+
+
+def span_defaults(model_dir: Path) -> dict[str, Any]:
+    """:func:`span_ready_options`, ``{}`` where there are none: engines started on a
+    span-ready model use them unless told otherwise."""
+    return span_ready_options(model_dir) or {}
 
 
 def merge_adapter(base: Path, adapter: Path, target: Path,

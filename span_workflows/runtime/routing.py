@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from span_vllm.contract import adapter_digest
-from span_workflows.compiler.model import SPAN_DEFAULTS_FILE
+from span_workflows.compiler.model import span_ready_options
 from span_workflows.errors import SpanQueryError
 from span_workflows.query.ir import Generate, Node, Plus, iter_nodes
 from span_workflows.query.span_options import SpanOptions
@@ -86,21 +86,7 @@ class Adapter:
             rank = int(config.get("r", 0))
         except (OSError, ValueError, TypeError) as exc:
             raise SpanQueryError(f"adapters.{name}", f"unreadable {config_file}: {exc}") from None
-        return cls(name, root, adapter_digest(root), rank, _span_options(root))
-
-
-def _span_options(root: Path) -> dict[str, Any] | None:
-    path = root / SPAN_DEFAULTS_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    options = record.get("span_options") if isinstance(record, dict) else None
-    if not record.get("span_ready", isinstance(options, dict)):
-        return None
-    return dict(options) if isinstance(options, dict) else {}
+        return cls(name, root, adapter_digest(root), rank, span_ready_options(root))
 
 
 @dataclass(frozen=True, slots=True)

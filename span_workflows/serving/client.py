@@ -15,6 +15,7 @@ URL, after ``retries`` further attempts; any other failure of the server raises
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -67,7 +68,7 @@ class SpanServer:
                                  span_options=span_options, cache_salt=cache_salt,
                                  weights=weights)
         response = self._retrying(lambda: self._client.post(wire.EXECUTE_PATH, json=body))
-        return wire.parse_result(wire.parse_answer(response.status_code, response.text, self.url))
+        return wire.parse_result(wire.read_response(response.status_code, response.text, self.url))
 
     async def aexecute(self, query: Query, *, optimize_query: bool = True,
                        span_options: SpanOptions | str | None = None,
@@ -78,7 +79,7 @@ class SpanServer:
                                  weights=weights)
         async with self._async_client() as client:
             response = await self._aretrying(lambda: client.post(wire.EXECUTE_PATH, json=body))
-        return wire.parse_result(wire.parse_answer(response.status_code, response.text, self.url))
+        return wire.parse_result(wire.read_response(response.status_code, response.text, self.url))
 
     def execute_many(self, queries: Sequence[Query], *, optimize_query: bool = True,
                      span_options: SpanOptions | str | None = None,
@@ -202,7 +203,7 @@ class SpanServer:
             with self._reachable():
                 if response.status_code != 200:
                     response.read()
-                    wire.parse_answer(response.status_code, response.text, self.url)  # raises
+                    wire.read_response(response.status_code, response.text, self.url)  # raises
                 yield from response.iter_lines()
         finally:
             response.close()
@@ -216,7 +217,7 @@ class SpanServer:
                 with self._reachable():
                     if response.status_code != 200:
                         await response.aread()
-                        wire.parse_answer(response.status_code, response.text, self.url)
+                        wire.read_response(response.status_code, response.text, self.url)
                     async for line in response.aiter_lines():
                         if (item := wire.parse_event(line, self.url)) is not None:
                             yield item
@@ -236,25 +237,30 @@ class SpanServer:
 
     def _retrying(self, send: Callable[[], T]) -> T:
         """``send()``, tried again (``retries`` times) while the server cannot be reached."""
-        for attempt in range(self.retries + 1):
+        for attempt in itertools.count():
             try:
                 return send()
             except httpx.TransportError as exc:
-                if attempt >= self.retries or not _retryable(exc):
-                    raise self._unavailable(exc) from exc
-                time.sleep(_RETRY_DELAY_S)
+                time.sleep(self._retry_delay(attempt, exc))
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _aretrying(self, send: Callable[[], Awaitable[T]]) -> T:
         """Async :meth:`_retrying`."""
-        for attempt in range(self.retries + 1):
+        for attempt in itertools.count():
             try:
                 return await send()
             except httpx.TransportError as exc:
-                if attempt >= self.retries or not _retryable(exc):
-                    raise self._unavailable(exc) from exc
-                await asyncio.sleep(_RETRY_DELAY_S)
+                await asyncio.sleep(self._retry_delay(attempt, exc))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retry_delay(self, attempt: int, exc: httpx.TransportError) -> float:
+        """The pause before trying again after ``attempt`` (0: the first) failed with ``exc``;
+        raises the client's error when no retry is left or the request may have run (only
+        failures to reach the server are retried)."""
+        if attempt >= self.retries or not isinstance(exc, (httpx.ConnectError,
+                                                           httpx.ConnectTimeout)):
+            raise self._unavailable(exc) from exc
+        return _RETRY_DELAY_S
 
     def _async_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, headers=self._headers,
@@ -264,11 +270,6 @@ class SpanServer:
         if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
             return ServerError(self.url, 0, f"no answer within {self.timeout} s ({exc!r})")
         return ServerUnavailableError(self.url, exc or type(exc).__name__)
-
-
-def _retryable(exc: httpx.TransportError) -> bool:
-    """Only failures to reach the server are retried (the request never ran)."""
-    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
 
 
 __all__ = ["ServerError", "ServerUnavailableError", "SpanServer"]

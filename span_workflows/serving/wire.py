@@ -18,7 +18,7 @@ routes the query, :mod:`span_workflows.runtime.routing`). Written by :func:`requ
 "invalid_query", "path": "<path>"}}`` (:func:`error_body`); a body over the cap a 413 of type
 ``request_too_large`` (:func:`too_large_body`). A client maps every 4xx to
 :class:`~span_workflows.errors.SpanQueryError`, anything else but 200 to
-:class:`~span_workflows.errors.ServerError` (:func:`parse_answer`).
+:class:`~span_workflows.errors.ServerError` (:func:`read_response`).
 
 **Stream** (``"stream": true``): server-sent events, ``data: {"delta": "..."}`` while the answer
 is generated, then ``data: {"done": true, <the answer's keys>}``, or ``data: {"error":
@@ -102,7 +102,7 @@ def too_large_body(max_body: int) -> dict[str, Any]:
                       "type": "request_too_large", "path": ""}}
 
 
-def parse_answer(status: int, text: str, url: str) -> dict[str, Any]:
+def read_response(status: int, text: str, url: str) -> dict[str, Any]:
     """The JSON object of a 200 answer; otherwise raise the error the answer stands for."""
     try:
         data = json.loads(text)
@@ -278,7 +278,7 @@ __all__ = [
     "BULK_PATH", "MAX_BULK_BODY_BYTES", "NDJSON_MEDIA_TYPE", "bulk_answer", "bulk_answer_line",
     "bulk_body", "bulk_line", "parse_bulk_answer", "parse_bulk_body",
     "EXECUTE_PATH", "HEALTH_PATH", "MAX_BODY_BYTES", "QueryBody", "SSE_MEDIA_TYPE",
-    "WRAPPER_KEYS", "delta_event", "done_event", "error_body", "error_event", "parse_answer",
+    "WRAPPER_KEYS", "delta_event", "done_event", "error_body", "error_event", "read_response",
     "parse_body", "parse_event", "parse_result", "request_body", "result_body", "sse",
     "too_large_body",
 ]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import pytest
+
 from span_vllm import patches
-from span_vllm.config import enabled
+from span_vllm.contract import KEY_ENV, enabled, layout_key
 
 
 def test_every_patch_target_exists_with_the_expected_signature() -> None:
@@ -30,6 +32,14 @@ def test_span_mode_is_off_unless_asked(monkeypatch) -> None:
     assert not enabled()
     monkeypatch.setenv("SPAN_VLLM", "1")
     assert enabled()
+
+
+def test_a_launcher_makes_the_layout_key_an_engine_only_reads_it(monkeypatch) -> None:
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=KEY_ENV):
+        layout_key(create=False)
+    key = layout_key()
+    assert len(key) == 32 and layout_key(create=False) == key == layout_key()
 
 
 def _executor(monkeypatch, **env: str) -> str:

@@ -37,7 +37,7 @@ def test_a_result_body_parses_back_to_the_result() -> None:
     body = wire.result_body(RESULT)
     assert body["usage"] == {"prompt_tokens": 10, "cached_tokens": 4, "completion_tokens": 2,
                              "total_tokens": 12}
-    back = wire.parse_result(wire.parse_answer(200, json.dumps(body), "http://t"))
+    back = wire.parse_result(wire.read_response(200, json.dumps(body), "http://t"))
     assert (back.text, back.texts, back.metrics) == (RESULT.text, RESULT.texts, RESULT.metrics)
 
 
@@ -49,12 +49,12 @@ def test_metrics_round_trip_and_missing_metrics_are_zero() -> None:
 def test_error_answers_raise_what_the_server_reported() -> None:
     body = wire.error_body(SpanQueryError("input.cross[2]", "unknown node 'plux'"))
     with pytest.raises(SpanQueryError) as info:
-        wire.parse_answer(400, json.dumps(body), "http://t")
+        wire.read_response(400, json.dumps(body), "http://t")
     assert info.value.path == "input.cross[2]" and info.value.message == "unknown node 'plux'"
     with pytest.raises(SpanQueryError, match="request too large"):
-        wire.parse_answer(413, json.dumps(wire.too_large_body(10)), "http://t")
+        wire.read_response(413, json.dumps(wire.too_large_body(10)), "http://t")
     with pytest.raises(ServerError, match="HTTP 500"):
-        wire.parse_answer(500, "Internal Server Error", "http://t")
+        wire.read_response(500, "Internal Server Error", "http://t")
 
 
 def test_stream_events_read_back_as_deltas_then_the_result() -> None:
