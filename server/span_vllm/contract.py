@@ -123,6 +123,8 @@ STAT_HELP: dict[str, str] = {
                         "or foreign when loaded (never used: computed anew)",
     "store_written_blocks": "KV blocks written to the span store",
     "store_write_errors": "span store writes that failed (disk full or read-only)",
+    "store_dropped_blocks": "KV blocks not written to the span store because the writer's "
+                            "queue was full (the disk is slower than the engine)",
 }
 
 #: The span store's KV connector, as vLLM's ``kv_transfer_config`` names it.

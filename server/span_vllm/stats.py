@@ -21,6 +21,7 @@ class SpanStats:
     store_bad_blocks: int = 0
     store_written_blocks: int = 0
     store_write_errors: int = 0
+    store_dropped_blocks: int = 0
 
     def snapshot(self) -> dict[str, int]:
         """A plain dict copy of the counters."""

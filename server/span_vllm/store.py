@@ -27,16 +27,24 @@ Guarantees:
 * **Atomic writes.** A block is written to a temporary file in its directory and renamed into
   place (``os.replace``): readers see the whole file or none, two engines writing the same
   block at once leave one whole copy, and a writer killed mid-write leaves only a temporary
-  file, which is never read (and is removed by the next eviction pass).
-* **A size cap.** ``max_bytes`` bounds the namespace's files; past it the least recently used
-  blocks (by modification time, refreshed on every read) are removed down to 90 % of the cap.
+  file, which is never read (and is removed when a store is next opened there, or by an
+  eviction pass, once it is :data:`STALE_TEMP_S` old).
+* **A size cap for the directory.** ``max_bytes`` bounds the block files of every namespace
+  under the root together (an old model's blocks count, and go first when least recently
+  used), counted across processes: every writer adds its bytes to the root's ledger
+  (:data:`LEDGER`, under an exclusive ``flock``), which each open recounts from the files.
+  Past the cap the least recently used blocks (by modification time, refreshed on every read)
+  of any namespace are removed down to 90 % of it.
 
 It depends on torch and ``xxhash`` only (no vLLM), so tools can open a store directly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.metadata
 import json
 import os
 import struct
@@ -58,6 +66,11 @@ SUFFIX = ".kv"
 #: xxh3-64 of everything after it (header length, header, payload)
 _CHECKSUM = struct.Struct("<Q")
 _HEADER_LEN = struct.Struct("<I")
+#: the file at a store's root holding the bytes of every namespace's block files
+LEDGER = ".bytes"
+#: a temporary block file older than this (seconds) was left by a writer that died
+STALE_TEMP_S = 600
+_TMP = ".tmp-"
 _DTYPES = {str(t): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.uint8,
                                torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)}
 
@@ -70,24 +83,91 @@ def namespace(model: Mapping[str, Any], block_size: int, dtype: torch.dtype,
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def model_identity(model_dir: str | Path) -> dict[str, Any]:
-    """What names a model's weights: the SHA-256 of every file its span-workflows manifest
-    lists (bundled and converted models carry one), else the name, size and modification time
-    of each weight and config file (a local directory without a manifest; a hub id: its name)."""
+def model_identity(model_dir: str | Path, *, revision: str | None = None) -> dict[str, Any]:
+    """What names a model's weights. A directory with a span-workflows manifest: the SHA-256
+    the manifest lists for each file, with each listed file's size and modification time (a
+    file changed after the manifest was written changes the identity); a directory without
+    one: each weight and config file's name, size, modification time and an xxh3 digest of
+    its first and last MiB; a hub id: its name and ``revision`` (``None``: the default
+    branch, as the engine resolved it then)."""
     root = Path(model_dir)
     manifest = root / "span-workflows-manifest.json"
     try:
-        return {"files": json.loads(manifest.read_text())["files"]}
-    except (OSError, ValueError, KeyError):
+        listed = json.loads(manifest.read_text())["files"]
+        return {"files": {name: [digest, *_stat(root / name)]
+                          for name, digest in sorted(dict(listed).items())}}
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     if not root.is_dir():
-        return {"name": str(model_dir)}
+        return {"name": str(model_dir), "revision": revision}
     files = {}
     for path in sorted(root.iterdir()):
         if path.suffix in (".safetensors", ".bin", ".json", ".gguf", ".pt") and path.is_file():
-            stat = path.stat()
-            files[path.name] = [stat.st_size, stat.st_mtime_ns]
+            files[path.name] = [*_stat(path), _ends_digest(path)]
     return {"path": str(root.resolve()), "files": files}
+
+
+def engine_identity(vllm_config: Any) -> dict[str, Any]:
+    """What else an engine's KV bytes depend on besides the weights and the KV layout: the
+    weights' dtype, quantization, ``hf_overrides`` (RoPE scaling among them), the revision,
+    the attention backend and the device's compute capability (which choose the kernels and
+    their block split), the KV cache's dtype setting, and the vLLM and plugin versions."""
+    model = vllm_config.model_config
+    overrides = getattr(model, "hf_overrides", None)
+    attention = getattr(vllm_config, "attention_config", None)
+    capability = None
+    try:
+        from vllm.platforms import current_platform
+
+        found = current_platform.get_device_capability()
+        capability = None if found is None else f"{found.major}.{found.minor}"
+    except Exception:  # noqa: BLE001 (no platform information: the namespace goes without)
+        capability = None
+    return {
+        "dtype": str(getattr(model, "dtype", None)),
+        "quantization": getattr(model, "quantization", None),
+        "hf_overrides": (overrides.__qualname__ if callable(overrides)
+                         else json.dumps(overrides or {}, sort_keys=True, default=str)),
+        "revision": getattr(model, "revision", None),
+        "attention_backend": str(getattr(attention, "backend", None)),
+        "cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", None)),
+        "device_capability": capability,
+        "versions": {"vllm": _vllm_version(), "span-vllm": _version("span-vllm")},
+    }
+
+
+def _stat(path: Path) -> list[int]:
+    try:
+        stat = path.stat()
+    except OSError:
+        return [-1, -1]
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _ends_digest(path: Path, span: int = 1 << 20) -> str:
+    """xxh3-64 of the first and last ``span`` bytes of ``path`` (cheap for any size)."""
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        digest.update(f.read(span))
+        f.seek(max(0, os.fstat(f.fileno()).st_size - span))
+        digest.update(f.read(span))
+    return digest.hexdigest()
+
+
+def _vllm_version() -> str | None:
+    """vLLM's version (its CPU build installs under another distribution name)."""
+    try:
+        import vllm
+    except ImportError:
+        return None
+    return str(getattr(vllm, "__version__", None))
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @dataclass
@@ -123,7 +203,11 @@ class SpanStore:
         self.max_bytes = max_bytes
         self.stats = StoreStats()
         self._lock = threading.Lock()
-        self._bytes: int | None = None
+        try:  # old temporaries go, the ledger starts from the files
+            with self._ledger() as total:
+                total[0] = self.root_bytes(clean=True)
+        except OSError:  # a read-only store: nothing to count or clean
+            pass
 
     # -- keys ----------------------------------------------------------------------------------
     def path(self, key: bytes) -> Path:
@@ -239,7 +323,7 @@ class SpanStore:
         digest.update(raw)
         checksum = _CHECKSUM.pack(digest.intdigest())
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=SUFFIX)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP, suffix=SUFFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(MAGIC + checksum + length + header + raw)
@@ -259,44 +343,68 @@ class SpanStore:
     # -- size ----------------------------------------------------------------------------------
     def files(self) -> Iterator[os.DirEntry[str]]:
         """Every block file of this namespace (temporary files excluded)."""
-        for shard in os.scandir(self.directory):
-            if shard.is_dir():
-                for entry in os.scandir(shard.path):
-                    if entry.name.endswith(SUFFIX) and not entry.name.startswith(".tmp-"):
-                        yield entry
+        yield from _block_files(self.directory)
 
     def size_bytes(self) -> int:
         """Bytes of this namespace's block files (scanned)."""
-        return sum(entry.stat().st_size for entry in self.files())
+        return sum(_size(entry) for entry in self.files())
+
+    def root_bytes(self, *, clean: bool = False) -> int:
+        """Bytes of the block files of every namespace under the root (scanned); ``clean``
+        also removes temporary files older than :data:`STALE_TEMP_S`."""
+        return sum(size for _, size, _ in self._root_blocks(clean=clean))
+
+    def _root_blocks(self, *, clean: bool) -> list[tuple[int, int, str]]:
+        """``(mtime_ns, size, path)`` of every block file under the root."""
+        found = []
+        for space in _subdirs(self.root):
+            for shard in _subdirs(Path(space.path)):
+                for entry in _scandir(Path(shard.path)):
+                    try:
+                        stat = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    if entry.name.startswith(_TMP):
+                        if clean and stat.st_mtime < _now() - STALE_TEMP_S:
+                            _unlink(entry.path)
+                    elif entry.name.endswith(SUFFIX):
+                        found.append((stat.st_mtime_ns, stat.st_size, entry.path))
+        return found
+
+    @contextlib.contextmanager
+    def _ledger(self) -> Iterator[list[int]]:
+        """The root's byte count as a one-item list, held under an exclusive ``flock`` (every
+        process that opens the store takes it) and written back on leaving."""
+        fd = os.open(self.root / LEDGER, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                total = [int(os.pread(fd, 32, 0) or b"0")]
+            except ValueError:
+                total = [self.root_bytes()]
+            yield total
+            data = str(max(0, total[0])).encode()
+            os.pwrite(fd, data.ljust(32), 0)
+        finally:
+            os.close(fd)  # and the lock with it
 
     def _grow(self, size: int) -> None:
-        if self.max_bytes is None:
-            return
-        with self._lock:
-            if self._bytes is None:
-                self._bytes = self.size_bytes()
-            else:
-                self._bytes += size
-            if self._bytes > self.max_bytes:
-                self._bytes = self.evict(int(self.max_bytes * 0.9))
+        """Count ``size`` new bytes in the root's ledger; past ``max_bytes``, evict."""
+        with self._lock, self._ledger() as total:
+            total[0] += size
+            if self.max_bytes is not None and total[0] > self.max_bytes:
+                total[0] = self._evict_locked(int(self.max_bytes * 0.9))
 
     def evict(self, target_bytes: int) -> int:
-        """Remove least recently used blocks (and stale temporary files) until the namespace
-        holds at most ``target_bytes``; returns the bytes left."""
-        entries = []
-        for shard in os.scandir(self.directory):
-            if not shard.is_dir():
-                continue
-            for entry in os.scandir(shard.path):
-                try:
-                    stat = entry.stat()
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith(".tmp-"):
-                    if stat.st_mtime < _now() - 600:  # a writer that died long ago
-                        _unlink(entry.path)
-                    continue
-                entries.append((stat.st_mtime_ns, stat.st_size, entry.path))
+        """Remove the least recently used blocks of any namespace under the root (and stale
+        temporary files) until the root holds at most ``target_bytes``; returns the bytes
+        left."""
+        with self._lock, self._ledger() as total:
+            total[0] = self._evict_locked(target_bytes)
+            return total[0]
+
+    def _evict_locked(self, target_bytes: int) -> int:
+        entries = self._root_blocks(clean=True)
         total = sum(size for _, size, _ in entries)
         for _, size, path in sorted(entries):
             if total <= target_bytes:
@@ -305,6 +413,32 @@ class SpanStore:
                 total -= size
                 self.stats.evicted_blocks += 1
         return total
+
+
+def _block_files(directory: Path) -> Iterator[os.DirEntry[str]]:
+    for shard in _subdirs(directory):
+        for entry in _scandir(Path(shard.path)):
+            if entry.name.endswith(SUFFIX) and not entry.name.startswith(_TMP):
+                yield entry
+
+
+def _subdirs(directory: Path) -> list[os.DirEntry[str]]:
+    return [entry for entry in _scandir(directory) if entry.is_dir()]
+
+
+def _scandir(directory: Path) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as entries:
+            return list(entries)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _size(entry: os.DirEntry[str]) -> int:
+    try:
+        return entry.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _header(data: bytes, space: str, key: bytes, shape: tuple[int, ...], dtype: torch.dtype

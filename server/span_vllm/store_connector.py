@@ -28,9 +28,13 @@ supplies span blocks from a :class:`~span_vllm.store.SpanStore`:
 
 Configured by ``kv_transfer_config`` (``kv_connector`` = ``"SpanStoreConnector"``,
 ``kv_connector_module_path`` = ``"span_vllm.store_connector"``, ``kv_role`` = ``"kv_both"``);
-``kv_connector_extra_config``: ``path`` (the store's directory), ``max_gib`` (size cap, LRU),
-``write`` (default true: write-through of computed spans), ``model`` (the weights' identity,
-default :func:`span_vllm.store.model_identity` of the model directory).
+``kv_connector_extra_config``: ``path`` (the store's directory), ``max_gib`` (size cap of the
+whole directory, every namespace and process counted; LRU), ``write`` (default true:
+write-through of computed spans), ``model`` (the weights' identity, default
+:func:`span_vllm.store.model_identity` of the model directory; the namespace adds
+:func:`span_vllm.store.engine_identity`), ``queue_mib`` (the most block bytes waiting for the
+writer, default :data:`DEFAULT_QUEUE_MIB`: past it a step's saves are dropped and counted, never
+held in memory outside the KV budget).
 """
 
 from __future__ import annotations
@@ -50,13 +54,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from span_vllm.contract import ORDERED, layout_key
 from span_vllm.hashing import request_layout
 from span_vllm.stats import STATS
-from span_vllm.store import SpanStore, model_identity, namespace
+from span_vllm.store import SpanStore, engine_identity, model_identity, namespace
 from span_vllm.support import refuse, store_problems
 
 #: The scheduler-side connector of this process (the plugin's hooks report to it), if any.
 _SCHEDULER: list[SpanStoreConnector] = []
 #: The worker-side connector of this process, if any.
 _WORKERS: list[SpanStoreConnector] = []
+
+
+#: the most block bytes waiting for the writer, by default (MiB)
+DEFAULT_QUEUE_MIB = 256
 
 
 @dataclass
@@ -81,7 +89,9 @@ def store_for(vllm_config: Any, kv_cache_config: Any) -> tuple[SpanStore, bool]:
         raise ValueError("SpanStoreConnector needs kv_connector_extra_config['path']")
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
-    model = extra.get("model") or model_identity(vllm_config.model_config.model)
+    model = {"weights": extra.get("model") or model_identity(
+                 vllm_config.model_config.model, revision=vllm_config.model_config.revision),
+             "engine": engine_identity(vllm_config)}
     shape = (len(group.layer_names), int(spec.num_kv_heads), int(spec.head_size),
              str(vllm_config.device_config.device_type))
     space = namespace(model, int(spec.block_size), spec.dtype, shape)  # type: ignore[arg-type]
@@ -99,6 +109,8 @@ class SpanStoreConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.store, self.writes = store_for(vllm_config, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self._queue_bytes = int(float(extra.get("queue_mib", DEFAULT_QUEUE_MIB)) * 2**20)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         # scheduler side
@@ -242,16 +254,24 @@ class SpanStoreConnector(KVConnectorBase_V1):
         """Blocks are saved whole after the forward pass (:meth:`wait_for_save`)."""
 
     def wait_for_save(self) -> None:
-        """Copy this step's new blocks out of the KV cache and hand them to the writer."""
+        """Copy this step's new blocks out of the KV cache into host memory and hand them to
+        the writer. On a GPU the copies are queued on the current stream after the forward
+        pass, into pinned memory, and the writer waits for their event before reading; a
+        block that would take the writer's queue past its bound is dropped (counted)."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, SpanStoreMetadata) or not meta.saves:
             return
         views = [self._blocks(cache) for cache in self._caches]
         if self._writer is None:
-            self._writer = _Writer(self.store)
+            self._writer = _Writer(self.store, self._queue_bytes)
         for block_id, key, position in meta.saves:
-            payload = torch.stack([view[block_id] for view in views])
-            self._writer.put((key, position, payload))
+            layers = [view[block_id] for view in views]
+            nbytes = sum(layer.numel() * layer.element_size() for layer in layers)
+            if not self._writer.reserve(nbytes):
+                STATS.store_dropped_blocks += 1
+                continue
+            payload, ready = _to_host(layers)
+            self._writer.put((key, position, payload, ready, nbytes))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks whose file was missing or unsound this step: vLLM evicts them and fails
@@ -266,17 +286,44 @@ class SpanStoreConnector(KVConnectorBase_V1):
             self._writer = None
 
 
-class _Writer:
-    """One background thread writing queued blocks to the store, in order."""
+def _to_host(layers: list[torch.Tensor]) -> tuple[torch.Tensor, Any]:
+    """One block's layers stacked in host memory, and what to wait on before reading it (a
+    CUDA event recorded after the copies on the current stream; ``None`` on the CPU)."""
+    if layers[0].device.type == "cpu":
+        return torch.stack(layers), None
+    host = torch.empty((len(layers), *layers[0].shape), dtype=layers[0].dtype,
+                       pin_memory=True)
+    for target, layer in zip(host.unbind(0), layers, strict=True):
+        target.copy_(layer, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
-    def __init__(self, store: SpanStore) -> None:
+
+class _Writer:
+    """One background thread writing queued blocks to the store, in order, holding at most
+    ``max_bytes`` of them at once (:meth:`reserve`)."""
+
+    def __init__(self, store: SpanStore, max_bytes: int) -> None:
         self._store = store
-        self._queue: queue.Queue[tuple[bytes, int, torch.Tensor] | None] = queue.Queue()
+        self._max_bytes = max_bytes
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
+        self._queue: queue.Queue[tuple[bytes, int, torch.Tensor, Any, int] | None] = (
+            queue.Queue())
         self._thread = threading.Thread(target=self._run, name="span-store-writer",
                                         daemon=True)
         self._thread.start()
 
-    def put(self, item: tuple[bytes, int, torch.Tensor]) -> None:
+    def reserve(self, nbytes: int) -> bool:
+        """Whether a block of ``nbytes`` may be queued now (then counted until written)."""
+        with self._bytes_lock:
+            if self._queued_bytes + nbytes > self._max_bytes:
+                return False
+            self._queued_bytes += nbytes
+            return True
+
+    def put(self, item: tuple[bytes, int, torch.Tensor, Any, int]) -> None:
         self._queue.put(item)
 
     def flush(self) -> None:
@@ -293,9 +340,15 @@ class _Writer:
             try:
                 if item is None:
                     return
-                key, position, payload = item
-                if self._store.write(key, position, payload):
-                    STATS.store_written_blocks += 1
+                key, position, payload, ready, nbytes = item
+                try:
+                    if ready is not None:
+                        ready.synchronize()  # the copies out of the KV cache are done
+                    if self._store.write(key, position, payload):
+                        STATS.store_written_blocks += 1
+                finally:
+                    with self._bytes_lock:
+                        self._queued_bytes -= nbytes
             except OSError:  # a full or read-only disk: the block stays unsaved
                 STATS.store_write_errors += 1
             finally:

@@ -1,8 +1,9 @@
 """The span store's files (no engine): what is read back is what was written, and nothing else.
 
 Every unsound file — truncated, corrupt, another block's, another layout's, left by a killed
-writer — reads as a miss, never as bytes; concurrent writers leave one whole file; the size cap
-evicts the least recently used blocks first; the namespace separates models and layouts.
+writer — reads as a miss, never as bytes; concurrent writers leave one whole file; the size cap,
+the whole directory's and shared by every process, evicts the least recently used blocks
+first; the namespace separates models, engines and layouts; the writer's queue is bounded.
 """
 
 from __future__ import annotations
@@ -17,14 +18,25 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import xxhash
 
 import span_vllm.store as store_module
-from span_vllm.store import SpanStore, model_identity, namespace
+from span_vllm.store import (
+    LEDGER,
+    STALE_TEMP_S,
+    SpanStore,
+    engine_identity,
+    model_identity,
+    namespace,
+)
+from span_vllm.store_connector import _to_host, _Writer
 
 SHAPE = (3, 2, 4, 8)  # layers, heads, block size, 2 x head size
 
@@ -148,10 +160,10 @@ def test_a_writer_killed_mid_write_leaves_a_store_that_loads(tmp_path: Path) -> 
 
 
 def test_the_cap_evicts_the_least_recently_used_blocks(tmp_path: Path) -> None:
-    one = SpanStore(tmp_path, "probe")
+    one = SpanStore(tmp_path / "probe", "ns")
     one.write(key(0), 0, block(0))
     size = one.size_bytes()
-    store = SpanStore(tmp_path, "ns", max_bytes=int(size * 4.5))
+    store = SpanStore(tmp_path / "store", "ns", max_bytes=int(size * 4.5))
     for n in range(4):
         store.write(key(n), 0, block(n))
         os.utime(store.path(key(n)), ns=(n * 10**9, n * 10**9))  # written in this order
@@ -182,8 +194,149 @@ def test_a_model_is_named_by_its_manifest_or_its_files(tmp_path: Path) -> None:
     assert set(plain["files"]) == {"config.json", "model.safetensors"}
     (tmp_path / "model.safetensors").write_bytes(b"retrained")
     assert model_identity(tmp_path) != plain
-    (tmp_path / "span-workflows-manifest.json").write_text('{"files": {"a": "1"}}')
-    assert model_identity(tmp_path) == {"files": {"a": "1"}}
+    (tmp_path / "span-workflows-manifest.json").write_text(
+        '{"files": {"model.safetensors": "1"}}')
+    listed = model_identity(tmp_path)
+    assert set(listed["files"]) == {"model.safetensors"}
+    assert listed["files"]["model.safetensors"][0] == "1"
+
+
+def test_a_file_changed_after_its_manifest_changes_the_identity(tmp_path: Path) -> None:
+    """A manifest's SHA-256s are not trusted alone: the files' sizes and times go with them."""
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "span-workflows-manifest.json").write_text(
+        '{"files": {"model.safetensors": "ab"}}')
+    before = model_identity(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"weights, retrained")
+    assert model_identity(tmp_path) != before
+
+
+def test_a_same_sized_same_time_rewrite_without_a_manifest_changes_the_identity(
+        tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"a" * 4096)
+    stat = path.stat()
+    before = model_identity(tmp_path)
+    path.write_bytes(b"b" * 4096)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert model_identity(tmp_path) != before
+
+
+def test_a_hub_model_is_named_with_its_revision() -> None:
+    assert model_identity("org/model", revision="abc") != model_identity("org/model",
+                                                                         revision="def")
+
+
+def _vllm_config(**changes: object) -> SimpleNamespace:
+    model = {"dtype": "float32", "quantization": None, "hf_overrides": {}, "revision": None}
+    engine = {"backend": None, "cache_dtype": "auto"}
+    for name, value in changes.items():
+        (model if name in model else engine)[name] = value
+    return SimpleNamespace(model_config=SimpleNamespace(**model),
+                           attention_config=SimpleNamespace(backend=engine["backend"]),
+                           cache_config=SimpleNamespace(cache_dtype=engine["cache_dtype"]))
+
+
+def test_the_engine_identity_separates_what_changes_the_kv_bytes() -> None:
+    """Weights dtype, quantization, RoPE overrides, revision, attention backend (the kernel
+    split) and KV dtype each give another namespace; the same settings the same one."""
+    base = engine_identity(_vllm_config())
+    assert base == engine_identity(_vllm_config())
+    assert base["versions"]["vllm"] and base["versions"]["span-vllm"]
+    others = [engine_identity(_vllm_config(**change)) for change in (
+        {"dtype": "bfloat16"}, {"quantization": "fp8"},
+        {"hf_overrides": {"rope_scaling": {"type": "yarn", "factor": 4.0}}},
+        {"revision": "main"}, {"backend": "FLASH_ATTN"}, {"cache_dtype": "fp8"})]
+    spaces = {namespace({"weights": {}, "engine": e}, 32, torch.float32, (30, 3, 64, "cuda"))
+              for e in [base, *others]}
+    assert len(spaces) == 1 + len(others)
+
+
+def test_the_cap_holds_for_the_whole_directory_old_namespaces_first(tmp_path: Path) -> None:
+    """An old model's namespace counts against the cap and its least recently used blocks go
+    first; the cap is the directory's, not one namespace's."""
+    old = SpanStore(tmp_path, "old-model")
+    for n in range(3):
+        old.write(key(n), 0, block(n))
+        os.utime(old.path(key(n)), ns=(n * 10**9, n * 10**9))
+    size = old.path(key(0)).stat().st_size
+    new = SpanStore(tmp_path, "new-model", max_bytes=int(size * 4.5))
+    for n in range(3):
+        new.write(key(10 + n), 0, block(10 + n))
+    assert new.root_bytes() <= size * 4.5
+    assert not old.has(key(0)) and not old.has(key(1))
+    assert all(new.has(key(10 + n)) for n in range(3))
+
+
+def _write_capped(root: str, first: int, cap: int) -> None:
+    store = SpanStore(root, "ns", max_bytes=cap)
+    for n in range(first, first + 12):
+        store.write(key(n), 0, block(n))
+
+
+def test_engines_in_several_processes_share_one_cap(tmp_path: Path) -> None:
+    """Each process counts every process's bytes (the root's ledger), so three writers of
+    twelve blocks each under a ten-block cap leave at most ten blocks."""
+    probe = tmp_path / "probe"
+    SpanStore(probe, "ns").write(key(0), 0, block(0))
+    size = next(probe.rglob("*.kv")).stat().st_size
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_write_capped, args=(str(tmp_path / "store"), 100 * i,
+                                                     size * 10)) for i in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    store = SpanStore(tmp_path / "store", "ns")
+    assert store.root_bytes() <= size * 10
+    assert int((tmp_path / "store" / LEDGER).read_text()) == store.root_bytes()
+
+
+def test_opening_a_store_removes_a_dead_writers_old_temporaries(tmp_path: Path) -> None:
+    shard = tmp_path / "another-namespace" / "ab"
+    shard.mkdir(parents=True)
+    stale, fresh = shard / ".tmp-dead.kv", shard / ".tmp-busy.kv"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    old = time.time() - STALE_TEMP_S - 60
+    os.utime(stale, (old, old))
+    SpanStore(tmp_path, "ns")
+    assert not stale.exists() and fresh.exists()
+
+
+def test_the_writer_holds_a_bounded_number_of_bytes() -> None:
+    """A disk slower than the engine: blocks past the writer's bound are refused (the
+    connector drops and counts them), and the bound frees as blocks are written."""
+    release = threading.Event()
+
+    class SlowStore:
+        def write(self, key: bytes, position: int, payload: torch.Tensor) -> bool:
+            release.wait(30)
+            return True
+
+    writer = _Writer(SlowStore(), max_bytes=3 * 100)  # type: ignore[arg-type]
+    payload, ready = _to_host([torch.zeros(5, 5), torch.zeros(5, 5)])
+    assert ready is None and payload.shape == (2, 5, 5)
+    taken = [writer.reserve(100) for _ in range(4)]
+    assert taken == [True, True, True, False]
+    for n in range(3):
+        writer.put((key(n), 0, payload, None, 100))
+    release.set()
+    writer.flush()
+    assert writer.reserve(300)
+    writer.close()
+
+
+@pytest.mark.gpu
+def test_a_gpu_block_is_copied_to_pinned_memory_before_the_writer_reads_it() -> None:
+    layers = [torch.randn(4, 32, 64, device="cuda") for _ in range(3)]
+    expected = torch.stack([layer.cpu() for layer in layers])
+    host, ready = _to_host(layers)
+    for layer in layers:
+        layer.add_(1.0)  # later work on the stream changes the cache, not the copy
+    ready.synchronize()
+    assert host.is_pinned() and torch.equal(host, expected)
 
 
 def test_a_changed_position_in_the_header_is_a_miss(tmp_path: Path) -> None:
