@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +101,9 @@ def default_gguf_path() -> Path:
 def base_model_dir(*, progress: bool = True) -> Path:
     """Convert (once) and verify the bundled SmolLM2 base model; return its directory."""
     gguf = default_gguf_path()
-    digest = _sha256(gguf, progress=False)
+    digest = _sha256(gguf)
     target = cache_dir() / f"{BASE_MODEL_NAME}-{digest[:16]}"
-    if target in _verified:
-        return target
-    if (target / _MANIFEST).is_file() and _manifest_ok(target):
-        _verified.add(target)
-        return target
-    _convert(gguf, target, digest, progress=progress)
-    _verified.add(target)
-    return target
+    return _built_once(target, lambda: _convert(gguf, target, digest, progress=progress))
 
 
 def span_model_dir(*, progress: bool = True) -> Path:
@@ -119,53 +113,31 @@ def span_model_dir(*, progress: bool = True) -> Path:
         raise ModelNotAvailableError(SPAN_MODEL_NAME, path=f"adapter ({adapter} missing)")
     digest = adapter_digest(adapter)
     target = cache_dir() / f"{SPAN_MODEL_NAME}-{digest[:16]}"
+
+    def merge() -> None:
+        if importlib.util.find_spec("peft") is None:
+            raise ModelNotAvailableError(SPAN_MODEL_NAME, path="model (pip install "
+                                         "peft==0.21.2 to merge its adapter on first use)")
+        merge_adapter(base_model_dir(progress=progress), adapter, target,
+                      {"adapter_sha256": digest})
+
+    return _built_once(target, merge)
+
+
+def _built_once(target: Path, build: Callable[[], object]) -> Path:
+    """``target``, made by ``build()`` unless a copy whose manifest checks out is there.
+    One process at a time (a file lock beside it): a second process waits for the first's
+    copy instead of building its own and replacing the directory under the first's readers."""
     if target in _verified:
         return target
-    if (target / _MANIFEST).is_file() and _manifest_ok(target):
-        _verified.add(target)
-        return target
-    if importlib.util.find_spec("peft") is None:
-        raise ModelNotAvailableError(SPAN_MODEL_NAME, path="model (pip install peft==0.21.2 "
-                                     "to merge its adapter on first use)")
-    merge_adapter(base_model_dir(progress=progress), adapter, target,
-                  {"adapter_sha256": digest})
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not ((target / _MANIFEST).is_file() and _manifest_ok(target)):
+            build()
     _verified.add(target)
     return target
-
-
-def bundled_adapters() -> dict[str, Path]:
-    """The LoRA adapters an engine on the bundled base serves beside it unless told
-    otherwise: the span-ready adapter, by name (empty if its files are missing)."""
-    adapter = ADAPTERS_DIR / SPAN_MODEL_NAME
-    return {SPAN_MODEL_NAME: adapter} if (adapter / "adapter_config.json").is_file() else {}
-
-
-def is_base(name_or_path: str | Path | None) -> bool:
-    """Whether ``name_or_path`` names the bundled base (``None`` does)."""
-    return name_or_path is None or str(name_or_path).lower() == BASE_MODEL_NAME
-
-
-def span_ready_options(model_dir: str | Path) -> dict[str, Any] | None:
-    """The span options a model (or adapter) directory records for itself in
-    :data:`SPAN_DEFAULTS_FILE` (``{"span_ready": true, "span_options": {...}}``), or ``None``
-    where it records none, says ``"span_ready": false`` or cannot be read."""
-    path = Path(model_dir) / SPAN_DEFAULTS_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    options = record.get("span_options") if isinstance(record, dict) else None
-    if not isinstance(record, dict) or not record.get("span_ready", isinstance(options, dict)):
-        return None
-    return dict(options) if isinstance(options, dict) else {}
-
-
-def span_defaults(model_dir: Path) -> dict[str, Any]:
-    """:func:`span_ready_options`, ``{}`` where there are none: engines started on a
-    span-ready model use them unless told otherwise."""
-    return span_ready_options(model_dir) or {}
 
 
 def merge_adapter(base: Path, adapter: Path, target: Path,
@@ -192,7 +164,7 @@ def merge_adapter(base: Path, adapter: Path, target: Path,
 
 
 def _write_manifest(directory: Path, provenance: dict[str, str]) -> None:
-    files = {p.name: _sha256(p, progress=False)
+    files = {p.name: _sha256(p)
              for p in sorted(directory.iterdir()) if p.is_file()}
     (directory / _MANIFEST).write_text(json.dumps({**provenance, "files": files}, indent=1))
 
@@ -236,15 +208,14 @@ def _manifest_ok(target: Path) -> bool:
     try:
         manifest = json.loads((target / _MANIFEST).read_text())
         return all(
-            (target / name).is_file() and _sha256(target / name, progress=False) == digest
+            (target / name).is_file() and _sha256(target / name) == digest
             for name, digest in manifest["files"].items()
         )
     except (OSError, ValueError, KeyError):
         return False
 
 
-def _sha256(path: Path, *, progress: bool) -> str:
-    del progress
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

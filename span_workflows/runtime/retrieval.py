@@ -168,9 +168,12 @@ class VectorIndex:
             }
             (tmp / "passages.json").write_text(json.dumps(meta, ensure_ascii=False),
                                                encoding="utf-8")
-            if self.path.exists():
-                shutil.rmtree(self.path)
-            tmp.rename(self.path)
+            from filelock import FileLock
+
+            with FileLock(f"{self.path}.lock"):  # one writer replaces the directory at a time
+                if self.path.exists():
+                    shutil.rmtree(self.path)
+                tmp.rename(self.path)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -125,6 +125,10 @@ async def span_chat_response(request: HttpRequest, body: bytes) -> Any:
                                                       uses_tools=chat.uses_tools, **ids))
     if chat.uses_tools:
         return await _stream_whole(service, chat, ids, adapter)
+    try:  # every chunk names the weights that answer, as the whole answer does
+        ids["model"] = service.weights_name(chat.node, weights=adapter) or ids["model"]
+    except SpanQueryError as exc:
+        return _json_error(chat_wire.query_error_body(exc))
     return await _stream(service, chat, ids, adapter)
 
 
@@ -176,6 +180,7 @@ async def _stream_whole(service: SpanQueryService, chat: chat_wire.SpanChat,
                                        sampling=chat.sampling, weights=weights)
     except Exception as exc:  # noqa: BLE001 - a bad request the engine refused
         return engine_error(exc)
+    ids = {**ids, "model": result.metrics.weights or ids["model"]}
     message = chat_wire.tool_message(result)
     if "tool_calls" in message:
         message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]

@@ -79,6 +79,14 @@ class SpanQueryService:
         [result] = await drive_async([plan], run, self._probe, self._steps)
         return result
 
+    def weights_name(self, node: Node, optimize_query: bool = True,
+                     weights: str | None = None) -> str:
+        """The name of the weights :meth:`plan` runs ``node`` on (a stream names them in its
+        first chunk, before the answer is known); raises what :meth:`plan` raises for a bad
+        query."""
+        return self.router.choose(self.planner.normalize(node, optimize_query), True,
+                                  weights).name
+
     def plan(self, node: Node, optimize_query: bool = True,
              span_options: SpanOptions | None = None, cache_salt: str | None = None,
              weights: str | None = None) -> Any:

@@ -3,6 +3,8 @@ base, lists both as models, routes span queries to the adapter, and says which w
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from shared_server import API_KEY
@@ -65,3 +67,9 @@ def test_chat_completions_with_spans_route_and_answer_with_the_weights(http) -> 
     plain = {k: v for k, v in body.items() if k != "spans"}
     stock = http.post("/v1/chat/completions", json={**plain, "model": SPAN_MODEL_NAME})
     assert stock.status_code == 200  # vLLM's own endpoint serves the adapter by name
+    streamed = http.post("/v1/chat/completions",
+                         json={**body, "model": BASE_MODEL_NAME, "stream": True,
+                               "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[len("data: "):]) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert len(chunks) >= 2 and {c["model"] for c in chunks} == {SPAN_MODEL_NAME}
