@@ -15,8 +15,9 @@ a choice with a price in answer quality (``benchmarks/results/quality.md``):
 ``link_blocks=k`` (default 1) recomputes the first ``k`` KV blocks of every span in the
 prompt's context (EPIC's link tokens, at block granularity; ``-1``: every block of a span but
 its last): small *link* requests, one per span, compute them after the plus's context and the
-earlier spans as cached, all in one engine step, so no span's first tokens carry KV blind to
-the spans before it; the rest of each span is still its cached KV. In ``prefix`` mode the first
+earlier spans as cached, in the answer's own engine step (batched before it), so no span's
+first tokens carry KV blind to the spans before it; the rest of each span is still its cached
+KV. In ``prefix`` mode the first
 span of a plus already follows its context and is not linked.
 
 Layout knobs, measured in the quality benchmark: where the padding goes (``pad``: after the

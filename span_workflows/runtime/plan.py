@@ -13,13 +13,16 @@ everything its prompt needs from the cache; then per plus (a *stage*), the *prep
 (``max_tokens=1``) of the spans the cache lacks — batched, each computed alone so a span's
 cached KV never depends on its neighbours — and then the plus's *link* requests, batched too
 (each reads the earlier spans as cached); then the main request, whose spans are cache hits
-repositioned to where they now sit. The last stage's prepares, when no link request follows
-them, are submitted with the main request, before it: on CPU the engine computes them and
-answers in one step (the plugin copies the spans to where the main request reads them inside
-the forward pass, :mod:`span_vllm.positions`); elsewhere the main request waits a step for
-them. A span the main request computes in its own context
-(``TokenizedQuery.main_computes_from``) is not prepared. A hit of cached spans in a new order
-therefore waits two engine steps (links, final), a reordered set one.
+repositioned to where they now sit. The last stage's prepares and link requests are submitted
+with the main request, before it, in one batch: the engine computes them in the answer's own
+forward pass. A link block sits where the main request reads it, so the main request shares
+it as it is written (each layer writes the whole batch's KV before any token attends); a span
+prepared in the same pass sits elsewhere, and is copied inside the pass on CPU
+(:mod:`span_vllm.positions`), while elsewhere its readers wait a step for it. A new
+combination of cached spans, links included, therefore answers in one engine step (on a GPU
+too); a miss with links in one step on CPU, two elsewhere. ``Planner(links_with_answer=False)``
+gives the links a step of their own, before the answer's. A span the main request computes in
+its own context (``TokenizedQuery.main_computes_from``) is not prepared.
 
 The nested G's of a G that reads them with ``align="pad"`` or ``"bias"`` run with a
 :class:`Fill`: their requests go on after their text with pad tokens up to a block boundary
@@ -220,8 +223,11 @@ class Planner:
     """Turns span queries into plans for one compiler and model context length."""
 
     def __init__(self, compiler: Compiler, max_model_len: int, *,
-                 locality_fanin: int | None = None) -> None:
+                 locality_fanin: int | None = None, links_with_answer: bool = True) -> None:
         self.locality_fanin = locality_fanin
+        #: the last plus's link requests go with the answer's request, so a hit with links
+        #: answers in one engine step (``False``: a step of their own before it)
+        self.links_with_answer = links_with_answer
         self.compiler = compiler
         self.block_size = compiler.block_size
         self.max_model_len = max_model_len
@@ -361,16 +367,21 @@ class Planner:
             # cached are then in use, and freshest in the cache, while the missing ones compute.
             # A later stage's context holds the spans of the earlier ones: stages run in order;
             # a stage's links read its spans as cached: after its prepares.
-            # The last stage's prepares, when no link follows them, go with the main request:
-            # the engine computes them and answers in one step where it can.
-            with_final: list[SpanPrompt] = []
+            # The last stage's prepares and links go with the main request, in that order: the
+            # engine computes them in the answer's own forward pass where it can (a link block
+            # sits where the answer reads it: shared, not moved; a span prepared in the same
+            # pass is copied inside it on CPU, else the reader waits a step).
+            final_prepares: list[SpanPrompt] = []
+            final_links: list[SpanPrompt] = []
             for index, (stage, links) in enumerate(
                     zip(tq.prepare_stages, tq.link_stages, strict=True)):
                 prepares = missing(stage, [_key(p) in hit for p in stage])
                 relinks = missing(links, [_key(p) in hit for p in links])
-                if prepares and not relinks and index == len(tq.prepare_stages) - 1:
-                    with_final = prepares
-                elif prepares:
+                if index == len(tq.prepare_stages) - 1 and (
+                        self.links_with_answer or not relinks):
+                    final_prepares, final_links = prepares, relinks
+                    continue
+                if prepares:
                     requests = [Request.prepare(p, salt) for p in prepares]
                     log.add(requests)
                     count_prepares(prepares, (yield requests))
@@ -385,10 +396,12 @@ class Planner:
             final = Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
                             None if inline else logprobs, 0 if last else expected,
                             tq.segments, salt, g.sampling, fill=fill)
-            batch = [*(Request.prepare(p, salt) for p in with_final), final]
+            batch = [*(Request.prepare(p, salt) for p in (*final_prepares, *final_links)), final]
             log.add(batch)
             *outs, out = yield batch
-            count_prepares(with_final, outs)
+            count_prepares(final_prepares, outs[:len(final_prepares)])
+            relinked += len(final_links)
+            prepared_tokens += _computed(outs[len(final_prepares):])
             if not out.short:
                 break
         if out.short and out.finish_reasons and out.finish_reasons[0] == "error":

@@ -1,8 +1,9 @@
 """Engine steps of span queries on the real engine: a hit of cached documents in a new
-combination waits for two steps with link blocks (all of them in one, then the answer) and one
-without (the span-ready model's span options), a reordered set for one, a one-document miss for
-one; and every shortcut keeps what a hit means — the answer and its first-token
-log-probabilities equal a fresh engine's."""
+combination answers in one step, its link blocks computed in the answer's own forward pass
+(the same first-token log-probabilities as with a step of their own), as without links (the
+span-ready model's span options); a cold query with links prepares, links and answers in one
+step too; a reordered set takes one, a one-document miss one; and every shortcut keeps what a
+hit means — the answer and its first-token log-probabilities equal a fresh engine's."""
 
 from __future__ import annotations
 
@@ -37,20 +38,38 @@ def _same_answer(hit, fresh) -> None:
         assert abs(hit.first_logprobs[token] - logprob) < 1e-3, token
 
 
-def test_a_new_combination_of_cached_documents_waits_two_steps(engine) -> None:
+def _linked_hit(engine, combo: Generate, *, links_with_answer: bool):
+    """``combo`` answered after its documents were cached in other combinations."""
     engine.reset_cache()
     engine.execute(_ordered([A, B]), optimize_query=False, span_options=LINKED)
     engine.execute(_ordered([C, D]), optimize_query=False, span_options=LINKED)
+    engine.planner.links_with_answer = links_with_answer
+    try:
+        return engine.execute(combo, optimize_query=False, logprobs=5, span_options=LINKED)
+    finally:
+        engine.planner.links_with_answer = True
+
+
+def test_a_new_combination_with_links_answers_in_one_step(engine) -> None:
     combo = _ordered([D, A, C])  # every document cached, never together, never in this order
-    hit = engine.execute(combo, optimize_query=False, logprobs=5, span_options=LINKED)
+    hit = _linked_hit(engine, combo, links_with_answer=True)
     assert hit.metrics.prepare_requests == 0
     assert hit.metrics.link_requests == 2  # the first span follows its context: no link
-    assert hit.metrics.engine_steps == 2  # both link requests in one step, then the answer
-    assert hit.metrics.final_steps == 2
+    assert hit.metrics.engine_steps == 1  # the link blocks in the answer's own forward pass
+    assert hit.metrics.final_steps == 1
     cross = next(s for s in hit.query.spans if s.kind == "cross")
-    assert hit.metrics.cached_tokens == cross.offset
+    assert hit.metrics.cached_tokens == cross.offset  # link blocks: shared as they are written
     again = engine.execute(combo, optimize_query=False, span_options=LINKED)
     assert again.metrics.engine_steps == 1 and again.metrics.link_requests == 0
+    # exactly what a step of their own computes
+    two_steps = _linked_hit(engine, combo, links_with_answer=False)
+    assert two_steps.metrics.engine_steps == 2 and two_steps.metrics.link_requests == 2
+    assert two_steps.metrics.cached_tokens == cross.offset
+    assert hit.metrics.prepared_tokens == two_steps.metrics.prepared_tokens == 2 * 32
+    assert hit.text == two_steps.text
+    assert hit.first_logprobs.keys() == two_steps.first_logprobs.keys()
+    for token, logprob in two_steps.first_logprobs.items():
+        assert abs(hit.first_logprobs[token] - logprob) < 1e-4, token
     engine.reset_cache()
     _same_answer(hit, engine.execute(combo, optimize_query=False, logprobs=5,
                                      span_options=LINKED))
@@ -81,13 +100,24 @@ def test_a_reordered_set_and_stock_take_one_step(engine) -> None:
     assert engine.stock(rag(SYSTEM, [B, C, A], QUESTION, max_tokens=8)).metrics.engine_steps == 1
 
 
-def test_a_cold_query_prepares_links_and_answers_in_three_steps(engine) -> None:
+def test_a_cold_query_prepares_links_and_answers_in_one_step(engine) -> None:
     engine.reset_cache()
     cold = engine.execute(_ordered([A, B, C]), optimize_query=False, logprobs=5,
                           span_options=LINKED)
-    # the prefix is computed by the span prepares (no prepare of its own): one per span
-    assert cold.metrics.prepare_requests == 3
-    assert cold.metrics.engine_steps == 3
+    # the prefix is computed by the span prepares (no prepare of its own): one per span; the
+    # links read them as they are written, and the answer reads both (copies inside the pass)
+    assert cold.metrics.prepare_requests == 3 and cold.metrics.link_requests == 2
+    assert cold.metrics.engine_steps == 1
+    engine.reset_cache()
+    engine.planner.links_with_answer = False
+    try:
+        three = engine.execute(_ordered([A, B, C]), optimize_query=False, logprobs=5,
+                               span_options=LINKED)
+    finally:
+        engine.planner.links_with_answer = True
+    assert three.metrics.engine_steps == 3 and three.text == cold.text
+    for token, logprob in three.first_logprobs.items():
+        assert abs(cold.first_logprobs[token] - logprob) < 1e-4, token
     engine.reset_cache()
     plain = engine.execute(_ordered([A, B, C]), optimize_query=False,
                            span_options=SpanOptions(link_blocks=0))

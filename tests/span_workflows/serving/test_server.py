@@ -72,11 +72,11 @@ def test_rag_reuses_spans_in_any_order(http: httpx.Client) -> None:
     assert second["metrics"]["engine_steps"] == 1
 
 
-@pytest.mark.parametrize(("link_blocks", "steps"), [(0, 1), (1, 2)])
-def test_a_new_combination_waits_one_engine_step_per_link_stage_over_http(
-        http: httpx.Client, link_blocks: int, steps: int) -> None:
-    """The server's default model links nothing: a new combination is one step; with a link
-    block per span, the links take one step before the answer."""
+@pytest.mark.parametrize("link_blocks", [0, 1])
+def test_a_new_combination_answers_in_one_engine_step_over_http(
+        http: httpx.Client, link_blocks: int) -> None:
+    """A new combination is one step, with a link block per span as without: the links are
+    computed in the answer's own forward pass."""
     extra = ("The Louvre is the most visited museum in Paris, with thirty thousand visitors "
              f"a day ({link_blocks}). ") * 3
 
@@ -90,7 +90,7 @@ def test_a_new_combination_waits_one_engine_step_per_link_stage_over_http(
     assert combo["metrics"]["prepare_requests"] == 0
     # (a link already cached when an earlier query had the same spans before it)
     assert (combo["metrics"]["link_requests"] >= 1) == (link_blocks > 0)
-    assert combo["metrics"]["engine_steps"] == steps
+    assert combo["metrics"]["engine_steps"] == 1
     again = run([extra, DOCS[2], DOCS[0]])
     assert again["metrics"]["engine_steps"] == 1
 
