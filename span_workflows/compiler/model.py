@@ -140,6 +140,41 @@ def _built_once(target: Path, build: Callable[[], object]) -> Path:
     return target
 
 
+def bundled_adapters() -> dict[str, Path]:
+    """The LoRA adapters an engine on the bundled base serves beside it unless told
+    otherwise: the span-ready adapter, by name (empty if its files are missing)."""
+    adapter = ADAPTERS_DIR / SPAN_MODEL_NAME
+    return {SPAN_MODEL_NAME: adapter} if (adapter / "adapter_config.json").is_file() else {}
+
+
+def is_base(name_or_path: str | Path | None) -> bool:
+    """Whether ``name_or_path`` names the bundled base (``None`` does)."""
+    return name_or_path is None or str(name_or_path).lower() == BASE_MODEL_NAME
+
+
+def span_ready_options(model_dir: str | Path) -> dict[str, Any] | None:
+    """The span options a model (or adapter) directory records for itself in
+    :data:`SPAN_DEFAULTS_FILE` (``{"span_ready": true, "span_options": {...}}``), or ``None``
+    where it records none, says ``"span_ready": false`` or cannot be read."""
+    path = Path(model_dir) / SPAN_DEFAULTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    options = record.get("span_options") if isinstance(record, dict) else None
+    if not isinstance(record, dict) or not record.get("span_ready", isinstance(options, dict)):
+        return None
+    return dict(options) if isinstance(options, dict) else {}
+
+
+def span_defaults(model_dir: Path) -> dict[str, Any]:
+    """:func:`span_ready_options`, ``{}`` where there are none: engines started on a
+    span-ready model use them unless told otherwise."""
+    return span_ready_options(model_dir) or {}
+
+
 def merge_adapter(base: Path, adapter: Path, target: Path,
                   provenance: dict[str, str] | None = None) -> Path:
     """Fold the LoRA adapter in ``adapter`` into the weights of the model in ``base`` and
