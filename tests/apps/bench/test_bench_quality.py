@@ -128,13 +128,13 @@ def test_stored_answers_round_trip(tmp_path: Path) -> None:
 def test_a_broken_answers_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
     path = tmp_path / "answers.json"
     path.write_text("{not json")
-    assert main(["bench", "quality", "--answers", str(path)]) == 2
+    assert main(["bench", "quality", "--no-wait", "--answers", str(path)]) == 2
     err = capsys.readouterr().err
     assert "--answers" in err and "Traceback" not in err
 
 
 def test_unknown_variant_fails_before_the_engine_starts(capsys) -> None:
-    assert main(["bench", "quality", "--variants", "stock,prefx"]) == 2
+    assert main(["bench", "quality", "--no-wait", "--variants", "stock,prefx"]) == 2
     err = capsys.readouterr().err
     assert "prefx" in err and "prefix/link" in err and "Traceback" not in err
 
