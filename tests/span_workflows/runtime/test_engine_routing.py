@@ -16,7 +16,7 @@ from span_workflows.errors import SpanQueryError
 from span_workflows.query import builders as b
 from span_workflows.query.sampling import ToolSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integrations"))
 import agent_task  # noqa: E402  (the agent tests' two-tool task)
 
 pytestmark = pytest.mark.engine
