@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # every vLLM engine core this run starts, in any process, appends a line here (the plugin)
 _LOG = Path(tempfile.gettempdir()) / f"span-vllm-starts-{os.getpid()}-{time.time_ns()}.log"
 os.environ[START_LOG_ENV] = str(_LOG)
+# the suite's own training lock: a training run on this machine never holds up its benchmarks
+os.environ["SPAN_WORKFLOWS_TUNE_LOCK"] = str(
+    Path(tempfile.gettempdir()) / f"span-tests-tune-{os.getpid()}.lock")
 STARTUPS = StartupCounter(_LOG)
 
 

@@ -4,8 +4,9 @@ On a CPU a tuning run takes every core, and its threads wait on each other: one 
 computing beside it slows it several times over, and the run makes that process's timings
 meaningless. While a segment trains, :func:`holding` keeps a small lock file in the cache
 directory (``$SPAN_WORKFLOWS_CACHE/tune.lock``: the process id, the run's directory, when it
-started); ``span-workflows bench`` calls :func:`wait_for_training` first and waits until no
-live run holds it. A lock left by a process that died is ignored and removed.
+started; ``$SPAN_WORKFLOWS_TUNE_LOCK`` names another file); ``span-workflows bench`` calls
+:func:`wait_for_training` first and waits until no live run holds it. A lock left by a
+process that died is ignored and removed.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from pathlib import Path
 from typing import Any
 
 LOCK_NAME = "tune.lock"
+#: the environment variable naming the lock file instead (a test suite keeps its own)
+LOCK_ENV = "SPAN_WORKFLOWS_TUNE_LOCK"
 
 
 def lock_path() -> Path:
-    """Where a training run's lock lives (``$SPAN_WORKFLOWS_CACHE/tune.lock``)."""
+    """Where a training run's lock lives: ``$SPAN_WORKFLOWS_TUNE_LOCK``, else
+    ``$SPAN_WORKFLOWS_CACHE/tune.lock``."""
     from span_workflows.compiler.model import cache_dir
 
-    return cache_dir() / LOCK_NAME
+    explicit = os.environ.get(LOCK_ENV)
+    return Path(explicit) if explicit else cache_dir() / LOCK_NAME
 
 
 @contextmanager

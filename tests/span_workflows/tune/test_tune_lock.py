@@ -17,6 +17,7 @@ from span_workflows.tune import lock
 @pytest.fixture
 def lock_file(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("SPAN_WORKFLOWS_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPAN_WORKFLOWS_TUNE_LOCK", raising=False)  # (the suite's own lock)
     return tmp_path / lock.LOCK_NAME
 
 
