@@ -89,8 +89,9 @@ def store_for(vllm_config: Any, kv_cache_config: Any) -> tuple[SpanStore, bool]:
         raise ValueError("SpanStoreConnector needs kv_connector_extra_config['path']")
     group = kv_cache_config.kv_cache_groups[0]
     spec = group.kv_cache_spec
+    config = vllm_config.model_config
     model = {"weights": extra.get("model") or model_identity(
-                 vllm_config.model_config.model, revision=vllm_config.model_config.revision),
+                 config.model, revision=getattr(config, "revision", None)),
              "engine": engine_identity(vllm_config)}
     shape = (len(group.layer_names), int(spec.num_kv_heads), int(spec.head_size),
              str(vllm_config.device_config.device_type))
