@@ -604,7 +604,7 @@ def test_the_printed_trees_are_what_pretty_prints(monkeypatch) -> None:
 
 
 def test_the_gpu_guide_says_what_engine_and_serve_set() -> None:
-    engine = (ROOT / "span_workflows" / "engine.py").read_text(encoding="utf-8")
+    engine = (ROOT / "span_workflows" / "runtime" / "engine.py").read_text(encoding="utf-8")
     launch = (ROOT / "span_workflows" / "serving" / "launch.py").read_text(encoding="utf-8")
     assert 'dtype: str = "float32"' in engine and "enforce_eager=True," in engine
     assert "block_size: int = 32" in engine
@@ -631,7 +631,8 @@ def test_the_locality_guide_states_the_short_text_results() -> None:
 
 
 def test_the_plugin_guide_says_which_replacements_are_checked() -> None:
-    lifetime = (ROOT / "span_workflows" / "engine_lifetime.py").read_text(encoding="utf-8")
+    lifetime = (ROOT / "span_workflows" / "runtime" / "engine_lifetime.py").read_text(
+        encoding="utf-8")
     swapped = set(re.findall(r"vllm_core\.(\w+) = ", lifetime))
     assert swapped == {"cleanup_dist_env_and_memory"}
     patches = (ROOT / "server" / "span_vllm" / "patches.py").read_text(encoding="utf-8")
