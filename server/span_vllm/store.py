@@ -120,9 +120,10 @@ def engine_identity(vllm_config: Any) -> dict[str, Any]:
         from vllm.platforms import current_platform
 
         found = current_platform.get_device_capability()
-        capability = None if found is None else f"{found.major}.{found.minor}"
+        if found is not None:
+            capability = f"{found.major}.{found.minor}"
     except Exception:  # noqa: BLE001 (no platform information: the namespace goes without)
-        capability = None
+        pass
     return {
         "dtype": str(getattr(model, "dtype", None)),
         "quantization": getattr(model, "quantization", None),

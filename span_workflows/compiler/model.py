@@ -163,8 +163,10 @@ def span_ready_options(model_dir: str | Path) -> dict[str, Any] | None:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    options = record.get("span_options") if isinstance(record, dict) else None
-    if not isinstance(record, dict) or not record.get("span_ready", isinstance(options, dict)):
+    if not isinstance(record, dict):
+        return None
+    options = record.get("span_options")
+    if not record.get("span_ready", isinstance(options, dict)):
         return None
     return dict(options) if isinstance(options, dict) else {}
 

@@ -357,6 +357,11 @@ class Planner:
             if drafts is not None:
                 drafts.count_prepares(prompts, outs)
 
+        def count_links(prompts: Sequence[SpanPrompt], outs: Sequence[Output]) -> None:
+            nonlocal relinked, prepared_tokens
+            relinked += len(prompts)
+            prepared_tokens += _computed(outs)
+
         for attempt in range(MAX_ATTEMPTS):
             everything = [*tq.prepare, *tq.links] if span_mode else []
             hit: set[tuple] = set()
@@ -388,9 +393,7 @@ class Planner:
                 if relinks:
                     requests = [Request.prepare(p, salt) for p in relinks]
                     log.add(requests)
-                    outs = yield requests
-                    relinked += len(relinks)
-                    prepared_tokens += _computed(outs)
+                    count_links(relinks, (yield requests))
             last = attempt == MAX_ATTEMPTS - 1
             logprobs = g.sampling.logprobs if settings.logprobs is None else settings.logprobs
             final = Request(tq.token_ids, max_tokens, tq.temperature, tq.n, part,
@@ -400,8 +403,7 @@ class Planner:
             log.add(batch)
             *outs, out = yield batch
             count_prepares(final_prepares, outs[:len(final_prepares)])
-            relinked += len(final_links)
-            prepared_tokens += _computed(outs[len(final_prepares):])
+            count_links(final_links, outs[len(final_prepares):])
             if not out.short:
                 break
         if out.short and out.finish_reasons and out.finish_reasons[0] == "error":
