@@ -15,13 +15,17 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from process_leaks import shm_names
 
-from span_workflows.serving.launch import free_port, start_server_process, stop_server_process
+from span_workflows.serving.launch import (
+    ServerOptions,
+    free_port,
+    start_server_process,
+    stop_server_process,
+)
 
 #: The bearer token the shared settings require.
 API_KEY = "span-tests-key"
@@ -29,16 +33,17 @@ API_KEY = "span-tests-key"
 
 @dataclass(frozen=True)
 class Setting:
-    """A named set of options for ``span-workflows serve`` (as ``start_server_process`` takes
-    them; the port is the slot's)."""
+    """A named set of options for ``span-workflows serve`` and how long its start may take
+    (the port is the slot's)."""
 
     name: str
-    options: dict[str, Any]
+    server: ServerOptions
+    timeout: float
 
 
 #: The shared settings: 1 GiB of KV cache, a 4096-token context, loopback, ``API_KEY``.
-SHARED = Setting("shared", {"api_key": API_KEY, "kv_cache_gib": 1, "timeout": 900,
-                            "max_model_len": 4096})
+SHARED = Setting("shared", ServerOptions(api_key=API_KEY, kv_cache_gib=1, max_model_len=4096),
+                 timeout=900)
 
 
 @dataclass(frozen=True)
@@ -49,13 +54,15 @@ class SharedServer:
     url: str
 
 
-def start_dev_mode_server(log_path: Path, **options: Any) -> tuple[subprocess.Popen, str]:
-    """Start ``span-workflows serve`` (``options`` as for ``start_server_process``) with
-    ``/reset_prefix_cache`` on; return ``(process, url)`` once it is healthy."""
+def start_dev_mode_server(log_path: Path, setting: Setting,
+                          port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``span-workflows serve`` in ``setting`` with ``/reset_prefix_cache`` on; return
+    ``(process, url)`` once it is healthy."""
     # vLLM registers /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1 (read at start).
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_SERVER_DEV_MODE", "1")
-        return start_server_process(log_path=log_path, **options)
+        return start_server_process(setting.server, port=port, timeout=setting.timeout,
+                                    log_path=log_path)
 
 
 class ServerSlot:
@@ -88,13 +95,13 @@ class ServerSlot:
         self.starts += 1
         self.shm_before_start = shm_names()
         log = self.log_dir / f"server-{self.starts}-{setting.name}.log"
-        self.proc, url = start_dev_mode_server(log, port=self.port, **setting.options)
+        self.proc, url = start_dev_mode_server(log, setting, port=self.port)
         assert url == self.url
         self.setting = setting
         if self._client is not None:
             self._client.close()
-        headers = ({"Authorization": f"Bearer {setting.options['api_key']}"}
-                   if "api_key" in setting.options else None)
+        key = setting.server.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         self._client = httpx.Client(base_url=self.url, timeout=300, headers=headers)
 
     @property

@@ -43,6 +43,7 @@ from starlette.responses import Response
 from span_workflows.errors import SpanQueryError
 from span_workflows.scaleout.ray_env import check_replicas, forwarded_env
 from span_workflows.serving import chat_wire, spnl_wire, wire
+from span_workflows.serving.launch import ServerOptions
 
 APP_NAME = "span-workflows"
 ROUTERS = ("span-affinity", "prefix-affinity", "power-of-two")
@@ -62,23 +63,23 @@ class ClusterOptions:
     """How the application is deployed.
 
     ``replicas``: span-engine replicas; ``num_cpus`` / ``num_gpus``: Ray resources per replica
-    (a GPU replica's server sees only its GPU); ``model``, ``kv_cache_gib``, ``block_size``,
-    ``extra_args``: as for ``span-workflows serve``; ``router``: one of :data:`ROUTERS`;
+    (a GPU replica's server sees only its GPU); ``server``: what each replica's server runs
+    with, the options of ``span-workflows serve``
+    (:class:`~span_workflows.serving.launch.ServerOptions`, or a mapping of its fields; its
+    ``api_key`` is also the bearer token the ingress requires on ``/v1`` paths; no
+    ``span_store``: replicas keep their spans in their own KV caches); ``router``: one of
+    :data:`ROUTERS`;
     ``capacity_tokens``: span tokens the router remembers per replica (``None``: the replica's
     KV cache size, read from its server); ``imbalance_threshold``, ``max_share`` (``None``:
     no bound): see :class:`~span_workflows.scaleout.affinity.AffinityOptions`;
     ``max_ongoing_requests``: per replica; ``request_timeout_s``: deadline of one call to a
     replica; ``server_command``: a command to run instead of the span server (``{port}`` is
-    replaced; for tests);
-    ``api_key``: required bearer token on ``/v1`` paths."""
+    replaced; for tests)."""
 
     replicas: int = 2
     num_cpus: float = 1.0
     num_gpus: float = 0.0
-    model: str | None = None
-    kv_cache_gib: int = 2
-    block_size: int | None = None
-    extra_args: tuple[str, ...] = ()
+    server: ServerOptions = field(default_factory=ServerOptions)
     router: str = "span-affinity"
     capacity_tokens: int | None = None
     imbalance_threshold: int = 2
@@ -87,11 +88,15 @@ class ClusterOptions:
     request_timeout_s: float = 600.0
     start_timeout_s: float = 600.0
     server_command: tuple[str, ...] = ()
-    api_key: str | None = None
     env: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "server", ServerOptions.coerce(self.server))
+        object.__setattr__(self, "server_command", tuple(self.server_command))
         check_replicas(self.replicas, self.num_cpus, self.num_gpus)
+        if self.server.span_store is not None:
+            raise ValueError("span_store is not available with replicas (each keeps its "
+                             "spans in its own KV cache)")
         if self.router not in ROUTERS:
             raise ValueError(f"unknown router {self.router!r}; choose from {', '.join(ROUTERS)}")
         if self.capacity_tokens is not None and self.capacity_tokens <= 0:
@@ -141,18 +146,13 @@ class SpanReplica:
         self.http = httpx.AsyncClient(base_url=self.url, timeout=None, headers=self._auth())
 
     def _auth(self) -> dict[str, str]:
-        key = self.options.api_key
+        key = self.options.server.api_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _start(self) -> tuple[subprocess.Popen, str]:
         """Start the server in its own process group, with a watchdog that ends the group if
         this replica's process dies without stopping it (Ray kills actors with SIGKILL)."""
-        from span_workflows.serving.launch import (
-            free_port,
-            server_command,
-            server_env,
-            wait_until_healthy,
-        )
+        from span_workflows.serving.launch import free_port, wait_until_healthy
 
         opts = self.options
         port = free_port()
@@ -160,11 +160,7 @@ class SpanReplica:
             cmd = [part.replace("{port}", str(port)) for part in opts.server_command]
             env = dict(os.environ)
         else:
-            extra = list(opts.extra_args)
-            if opts.api_key:
-                extra += ["--api-key", opts.api_key]
-            cmd = server_command(opts.model, "127.0.0.1", port, None, opts.block_size, extra)
-            env = server_env(opts.model, opts.kv_cache_gib)
+            cmd, env = opts.server.command("127.0.0.1", port), opts.server.env()
         env.update(opts.env)
         proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -347,7 +343,7 @@ class SpanIngressCore:
             from span_workflows.compiler.keys import QueryKeyer
 
             info = await self._call("info", None, retry=True)
-            block = self.options.block_size or info.block_size or 32
+            block = self.options.server.block_size or info.block_size or 32
             self.keyer = QueryKeyer(await asyncio.wrap_future(self._tokenizer), block,
                                     with_prompt=self.options.router == "prefix-affinity")
             router = self.router()
@@ -461,7 +457,7 @@ def _tokenizer(options: ClusterOptions) -> Any:
 
     from span_workflows.serving.launch import model_reference
 
-    reference, _ = model_reference(options.model)
+    reference, _ = model_reference(options.server.model)
     return AutoTokenizer.from_pretrained(reference)
 
 
@@ -474,7 +470,7 @@ def make_ingress_app(core_factory: Any) -> Any:
     app = FastAPI(title="span-workflows (Ray Serve)")
 
     def unauthorized(request: Request, core: SpanIngressCore) -> Response | None:
-        key = core.options.api_key
+        key = core.options.server.api_key
         if key and request.headers.get("authorization") != f"Bearer {key}":
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return None
@@ -670,12 +666,7 @@ def app_from_args(args: dict[str, Any]) -> Any:
     """Application builder for a Serve config file (``import_path:
     span_workflows.scaleout.deployment:app_from_args``, ``args``: :class:`ClusterOptions`
     fields)."""
-    fields = dict(args)
-    if "extra_args" in fields:
-        fields["extra_args"] = tuple(fields["extra_args"])
-    if "server_command" in fields:
-        fields["server_command"] = tuple(fields["server_command"])
-    return build_app(ClusterOptions(**fields))
+    return build_app(ClusterOptions(**dict(args)))
 
 
 def serve_cluster(options: ClusterOptions, host: str = "127.0.0.1", port: int = 8000,

@@ -4,7 +4,8 @@
 :func:`start_server_process` starts it in the background and waits until ``/health`` answers,
 for tests and notebooks. Both run ``python -m span_workflows.serving.app`` — vLLM's
 OpenAI-compatible server with ``/v1/query/execute`` added — in an environment that turns the
-``span_vllm`` plugin on in every engine process it starts (:func:`server_env`).
+``span_vllm`` plugin on in every engine process it starts (:meth:`ServerOptions.env`); one
+:class:`ServerOptions` says what the server runs with, wherever it is started from.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from span_vllm import contract
 from span_workflows.compiler.model import (
@@ -75,67 +78,108 @@ def model_reference(model: str | Path | None) -> tuple[str, bool]:
     return text, False
 
 
-def server_command(
-    model: str | Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    block_size: int | None = None,
-    extra_args: Sequence[str] = (),
-    *,
-    max_model_len: int | None = None,
-    device: str | None = None,
-    adapters: Mapping[str, str | Path] | None = None,
-    routing: bool = True,
-    span_store: str | Path | None = None,
-    span_store_gib: float | None = None,
-) -> list[str]:
-    """The command line of the server (see :func:`serve`).
+@dataclass(frozen=True)
+class ServerOptions:
+    """What a span server runs with: the one set of options ``span-workflows serve``, its
+    replicas (:class:`~span_workflows.scaleout.deployment.ClusterOptions`), :func:`serve` and
+    :func:`start_server_process` share; :meth:`command` and :meth:`env` turn it into the
+    server's command line and environment.
 
-    ``device`` (default: :func:`detect_device`) only decides the CPU defaults: on ``"cpu"``
-    ``--enforce-eager --dtype float32`` and a block size of 32 are added; on a GPU nothing
-    but what is asked. ``adapters`` (``{name: directory}``; default: the span-ready adapter
-    on the bundled base, none on other models) are served as LoRA beside the model
-    (:func:`adapter_args`); ``routing=False`` keeps span queries on the base unless they
-    name an adapter. ``span_store`` (a directory; ``span_store_gib`` caps it) keeps span
-    blocks on disk beyond the KV cache and across restarts (vLLM's ``--kv-transfer-config``
-    with the plugin's store connector, :func:`span_vllm.contract.store_transfer_config`).
-    ``extra_args`` go last, so any vLLM option there wins."""
-    reference, _ = model_reference(model)
-    on_cpu = (device or detect_device()) == "cpu"
-    if block_size is None and on_cpu:
-        block_size = CPU_BLOCK_SIZE
-    cmd = [
-        sys.executable, "-m", LAUNCHER_MODULE,
-        "--model", reference,
-        "--host", host,
-        "--port", str(int(port)),
-        "--enable-prefix-caching",
-        # the plugin's block alignment of nested outputs (align="pad"/"bias")
-        "--logits-processors", *contract.LOGITS_PROCESSORS,
-    ]
-    if block_size is not None:
-        cmd += ["--block-size", str(int(block_size))]
-    if on_cpu:
-        cmd += list(CPU_ARGS)
-    if max_model_len is not None:
-        cmd += ["--max-model-len", str(int(max_model_len))]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    cmd += adapter_args(model, adapters)
-    if not routing:
-        cmd += ["--no-span-routing"]
-    if span_store is not None:
-        import json
+    ``model``: ``None``/``"smollm2-135m-instruct"``, a local Hugging Face model directory, or
+    a hub id (``meta-llama/Llama-3.1-8B-Instruct``). ``block_size=None``: 32 on CPU, vLLM's
+    default on a GPU. ``kv_cache_gib``: the KV cache on CPU. ``extra_args`` go to vLLM's
+    server last, so any vLLM option there wins (e.g. ``("--tensor-parallel-size", "2")``).
+    ``adapters`` (``{name: directory}``; ``None``: the span-ready adapter on the bundled base,
+    none on other models) are served as LoRA beside the model (:func:`adapter_args`);
+    ``routing=False`` keeps span queries on the base unless they name an adapter.
+    ``span_store`` (a directory; ``span_store_gib`` caps it) keeps span blocks on disk beyond
+    the KV cache and across restarts (vLLM's ``--kv-transfer-config`` with the plugin's store
+    connector, :func:`span_vllm.contract.store_transfer_config`). ``api_key`` guards every
+    ``/v1`` path; it travels in the environment, never on the command line (which other
+    users' ``ps`` shows). Raises :class:`ValueError` naming the option that is wrong."""
 
-        cmd += ["--kv-transfer-config", json.dumps(
-            contract.store_transfer_config(span_store, max_gib=span_store_gib))]
-    if model is None or str(model).lower() in BUNDLED_MODELS:
-        # A bundled model answers to its short name as well as to its path.
-        cmd += ["--served-model-name", reference,
-                DEFAULT_MODEL_NAME if model is None else str(model).lower()]
-    cmd += [str(a) for a in extra_args]
-    return cmd
+    model: str | Path | None = None
+    block_size: int | None = None
+    kv_cache_gib: int = 2
+    extra_args: tuple[str, ...] = ()
+    adapters: Mapping[str, str | Path] | None = None
+    routing: bool = True
+    span_store: str | Path | None = None
+    span_store_gib: float | None = None
+    max_model_len: int | None = None
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_args", tuple(str(a) for a in self.extra_args))
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, not {self.block_size}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, not {self.kv_cache_gib}")
+        if self.span_store_gib is not None and self.span_store_gib <= 0:
+            raise ValueError(f"span_store_gib must be > 0, not {self.span_store_gib}")
+        if self.span_store_gib is not None and self.span_store is None:
+            raise ValueError("span_store_gib needs span_store")
+
+    @classmethod
+    def coerce(cls, value: ServerOptions | Mapping[str, Any] | None) -> ServerOptions:
+        """``value`` as options: as is, from its fields (a Serve config file's ``server``
+        mapping, or options that crossed a process as a dict), or the defaults for ``None``."""
+        if value is None:
+            return cls()
+        return value if isinstance(value, cls) else cls(**dict(value))
+
+    def command(self, host: str = "127.0.0.1", port: int = 8000,
+                device: str | None = None) -> list[str]:
+        """The server's command line. ``device`` (default: :func:`detect_device`) only
+        decides the CPU defaults: on ``"cpu"`` ``--enforce-eager --dtype float32`` and a block
+        size of 32 are added; on a GPU nothing but what is asked."""
+        reference, _ = model_reference(self.model)
+        on_cpu = (device or detect_device()) == "cpu"
+        block_size = CPU_BLOCK_SIZE if self.block_size is None and on_cpu else self.block_size
+        cmd = [
+            sys.executable, "-m", LAUNCHER_MODULE,
+            "--model", reference,
+            "--host", host,
+            "--port", str(int(port)),
+            "--enable-prefix-caching",
+            # the plugin's block alignment of nested outputs (align="pad"/"bias")
+            "--logits-processors", *contract.LOGITS_PROCESSORS,
+        ]
+        if block_size is not None:
+            cmd += ["--block-size", str(int(block_size))]
+        if on_cpu:
+            cmd += list(CPU_ARGS)
+        if self.max_model_len is not None:
+            cmd += ["--max-model-len", str(int(self.max_model_len))]
+        cmd += adapter_args(self.model, self.adapters)
+        if not self.routing:
+            cmd += ["--no-span-routing"]
+        if self.span_store is not None:
+            import json
+
+            cmd += ["--kv-transfer-config", json.dumps(
+                contract.store_transfer_config(self.span_store, max_gib=self.span_store_gib))]
+        model = self.model
+        if model is None or str(model).lower() in BUNDLED_MODELS:
+            # A bundled model answers to its short name as well as to its path.
+            cmd += ["--served-model-name", reference,
+                    DEFAULT_MODEL_NAME if model is None else str(model).lower()]
+        return cmd + list(self.extra_args)
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The server's environment (``base``, default this process's): span mode on, its
+        layout key, vLLM's settings, and the API key as ``VLLM_API_KEY``.
+
+        A local model runs with ``HF_HUB_OFFLINE=1`` (nothing to download); a hub id with the
+        caller's setting (``HF_HUB_OFFLINE=0`` unless set), so vLLM can fetch it."""
+        env = dict(os.environ if base is None else base)
+        _, local = model_reference(self.model)
+        env.setdefault("HF_HUB_OFFLINE", "1" if local else "0")
+        contract.enable(env, kv_cache_gib=self.kv_cache_gib)
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        return env
 
 
 def adapter_args(model: str | Path | None,
@@ -148,90 +192,36 @@ def adapter_args(model: str | Path | None,
     return lora_server_args(Adapter.load(name, path) for name, path in adapters.items())
 
 
-def server_env(
-    model: str | Path | None = None,
-    kv_cache_gib: int = 2,
-    base: Mapping[str, str] | None = None,
-    api_key: str | None = None,
-) -> dict[str, str]:
-    """The environment of the server: span mode on, its layout key, vLLM's settings, and the
-    API key as ``VLLM_API_KEY`` when one is given (the environment, unlike the command line,
-    is not visible to other users' ``ps``).
-
-    A local model runs with ``HF_HUB_OFFLINE=1`` (nothing to download); a hub id with the
-    caller's setting (``HF_HUB_OFFLINE=0`` unless set), so vLLM can fetch it."""
-    env = dict(os.environ if base is None else base)
-    _, local = model_reference(model)
-    env.setdefault("HF_HUB_OFFLINE", "1" if local else "0")
-    contract.enable(env, kv_cache_gib=kv_cache_gib)
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    if api_key:
-        env["VLLM_API_KEY"] = api_key
-    return env
-
-
-def serve(
-    model: str | Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    block_size: int | None = None,
-    kv_cache_gib: int = 2,
-    extra_args: Sequence[str] = (),
-    adapters: Mapping[str, str | Path] | None = None,
-    routing: bool = True,
-    span_store: str | Path | None = None,
-    span_store_gib: float | None = None,
-) -> None:
-    """Run the span server in the foreground until interrupted (replaces this process).
-
-    ``model``: ``None``/``"smollm2-135m-instruct"``, a local Hugging Face model directory, or
-    a hub id (``meta-llama/Llama-3.1-8B-Instruct``). ``extra_args`` are passed to vLLM's
-    server as is, after the defaults (e.g. ``["--tensor-parallel-size", "2", "--dtype",
-    "bfloat16"]``); ``block_size=None`` means 32 on CPU, vLLM's default on a GPU.
-    ``adapters``, ``routing``, ``span_store`` and ``span_store_gib``: see
-    :func:`server_command`.
-    Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an unknown model.
-    """
-    cmd = server_command(model, host, port, None, block_size, extra_args, adapters=adapters,
-                         routing=routing, span_store=span_store, span_store_gib=span_store_gib)
-    env = server_env(model, kv_cache_gib, api_key=api_key)
+def serve(options: ServerOptions | None = None, host: str = "127.0.0.1",
+          port: int = 8000) -> None:
+    """Run the span server with ``options`` in the foreground until interrupted (replaces
+    this process). Raises :class:`~span_workflows.errors.ModelNotAvailableError` for an
+    unknown model."""
+    options = ServerOptions.coerce(options)
+    cmd, env = options.command(host, port), options.env()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
 
 
 def start_server_process(
-    model: str | Path | None = None,
+    options: ServerOptions | None = None,
     host: str = "127.0.0.1",
     port: int | None = None,
-    api_key: str | None = None,
-    block_size: int | None = None,
-    kv_cache_gib: int = 2,
-    extra_args: Sequence[str] = (),
     *,
     timeout: float = 300.0,
     log_path: str | Path | None = None,
-    max_model_len: int | None = None,
-    adapters: Mapping[str, str | Path] | None = None,
-    routing: bool = True,
-    span_store: str | Path | None = None,
-    span_store_gib: float | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """Start the server in the background; return ``(process, url)`` once ``/health`` is 200.
+    """Start the server with ``options`` in the background; return ``(process, url)`` once
+    ``/health`` is 200.
 
     ``port=None`` picks a free port. The process leads its own process group: stop it with
     :func:`stop_server_process` (which also ends the engine processes it started). Output goes
     to ``log_path`` (default: discarded). Raises :class:`ServerStartError` if the process exits
-    or is not healthy within ``timeout`` seconds (it is stopped then). ``adapters``,
-    ``routing``, ``span_store`` and ``span_store_gib``: see :func:`server_command`.
-    """
-
+    or is not healthy within ``timeout`` seconds (it is stopped then)."""
+    options = ServerOptions.coerce(options)
     port = free_port(host) if port is None else int(port)
-    cmd = server_command(model, host, port, None, block_size, extra_args,
-                         max_model_len=max_model_len, adapters=adapters, routing=routing,
-                         span_store=span_store, span_store_gib=span_store_gib)
-    env = server_env(model, kv_cache_gib, api_key=api_key)
+    cmd, env = options.command(host, port), options.env()
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -309,7 +299,7 @@ def _url_host(host: str) -> str:
 
 
 __all__ = [
-    "ServerStartError", "detect_device", "free_port", "model_reference", "serve",
-    "server_command", "server_env",
+    "ServerOptions", "ServerStartError", "adapter_args", "detect_device", "free_port",
+    "model_reference", "serve",
     "start_server_process", "stop_server_process",
 ]

@@ -9,6 +9,8 @@ import time
 import httpx
 from shared_server import Setting
 
+from span_workflows.serving.launch import ServerOptions
+
 
 def reset_server_cache(client: httpx.Client) -> None:
     """Empty the server's prefix cache, waiting (up to 30 s) until no request holds blocks."""
@@ -27,9 +29,10 @@ SMALL_POOL_BLOCKS = 48
 
 #: The small pool's settings: 48 blocks, at most 8 sequences, a context that fits the pool
 #: (vLLM starts only if its longest request fits in the pool, less its reserved block).
-SMALL_POOL = Setting("small-pool", {
-    "kv_cache_gib": 1, "timeout": 400, "max_model_len": 32 * (SMALL_POOL_BLOCKS - 2),
-    "extra_args": ["--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS), "--max-num-seqs", "8"]})
+SMALL_POOL = Setting("small-pool", ServerOptions(
+    kv_cache_gib=1, max_model_len=32 * (SMALL_POOL_BLOCKS - 2),
+    extra_args=("--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS), "--max-num-seqs", "8")),
+    timeout=400)
 
 
 def run_query(client: httpx.Client, payload: dict) -> dict:

@@ -21,7 +21,7 @@ from span_workflows.query.json_ir import MAX_JSON_NESTING, from_json
 from span_workflows.query.validate import MAX_DEPTH
 from span_workflows.serving import launch
 from span_workflows.serving.client import SpanServer
-from span_workflows.serving.launch import server_command
+from span_workflows.serving.launch import ServerOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*Path(span_workflows.__file__).parent.rglob("*.py"),
@@ -34,7 +34,7 @@ def test_server_binds_loopback_unless_told_otherwise() -> None:
     assert DEFAULT_HOST == "127.0.0.1"
     assert make_parser().parse_args(["--model", "m"]).host == "127.0.0.1"
     assert make_parser().parse_args(["--model", "m", "--host", "0.0.0.0"]).host == "0.0.0.0"
-    cmd = server_command()
+    cmd = ServerOptions().command()
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     from span_workflows.apps.cli.main import _parser
 
@@ -43,9 +43,9 @@ def test_server_binds_loopback_unless_told_otherwise() -> None:
 
 
 def test_api_key_is_passed_to_the_server_and_sent_by_the_client() -> None:
-    cmd = server_command(api_key="s3cret")
-    assert cmd[cmd.index("--api-key") + 1] == "s3cret"
-    assert "--api-key" not in server_command()
+    options = ServerOptions(api_key="s3cret")
+    assert options.env(base={})["VLLM_API_KEY"] == "s3cret"  # never on the command line
+    assert "--api-key" not in options.command() and "s3cret" not in options.command()
     seen: list[httpx.Request] = []
 
     def handler(request: httpx.Request) -> httpx.Response:

@@ -38,7 +38,7 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
 
     from span_workflows.compiler.model import load_tokenizer
     from span_workflows.scaleout.deployment import APP_NAME, ClusterOptions, build_app
-    from span_workflows.serving.launch import free_port
+    from span_workflows.serving.launch import ServerOptions, free_port
 
     trace = make_trace(TraceOptions(requests=requests, documents=documents, k=k, zipf_s=zipf_s,
                                     doc_tokens=(doc_tokens, doc_tokens), seed=seed))
@@ -53,7 +53,8 @@ def real_rows(replicas: int = 2, requests: int = 24, documents: int = 12, k: int
         for router in REAL_ROUTERS:
             options = ClusterOptions(
                 replicas=1 if router == "single" else replicas, num_cpus=num_cpus,
-                kv_cache_gib=kv_cache_gib, imbalance_threshold=imbalance_threshold,
+                server=ServerOptions(kv_cache_gib=kv_cache_gib),
+                imbalance_threshold=imbalance_threshold,
                 router="power-of-two" if router == "single" else router)
             started = time.monotonic()
             serve.run(build_app(options), name=APP_NAME, route_prefix="/")

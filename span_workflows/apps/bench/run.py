@@ -241,11 +241,11 @@ def bench_hashing(token_counts: Sequence[int] = (1024, 32768, 131072), block_siz
 def run_bench(name: str, argv: Sequence[str]) -> int:
     """CLI entry: parse ``argv`` for benchmark ``name``, run it, print/write its table. A
     training run on this machine is waited for first (:mod:`span_workflows.tune.lock`) unless
-    ``argv`` says ``--no-wait``."""
+    ``argv`` says ``--no-wait`` or asks for help (which measures nothing)."""
     argv = list(argv)
     if "--no-wait" in argv:
         argv.remove("--no-wait")
-    else:
+    elif not {"-h", "--help"} & set(argv):
         from span_workflows.tune.lock import wait_for_training
 
         wait_for_training()

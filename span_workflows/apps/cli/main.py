@@ -21,6 +21,7 @@ from span_workflows.query.json_ir import from_json
 from span_workflows.runtime.store_index import DEFAULT_INDEX_SYSTEM
 
 if TYPE_CHECKING:
+    from span_workflows.serving.launch import ServerOptions
     from span_workflows.tune.train import TuneConfig
 
 
@@ -630,29 +631,44 @@ def _add_replica_options(serve: argparse.ArgumentParser) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from span_workflows.serving.launch import serve
 
-    api_key = (args.api_key or os.environ.get("SPAN_WORKFLOWS_API_KEY")
-               or os.environ.get("VLLM_API_KEY"))
+    server = _server_options(args)
     if args.replicas is not None:
         from span_workflows.scaleout.deployment import ClusterOptions, serve_cluster
 
+        if args.span_store is not None:
+            raise SpanQueryError("--span-store", "not available with --replicas (each "
+                                                 "replica keeps its spans in its KV cache)")
         try:
             options = ClusterOptions(
                 replicas=args.replicas, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                model=args.model, kv_cache_gib=args.kv_cache_gib, block_size=args.block_size,
-                extra_args=tuple(getattr(args, "vllm_args", [])), router=args.router,
-                capacity_tokens=args.capacity_tokens,
+                server=server, router=args.router, capacity_tokens=args.capacity_tokens,
                 imbalance_threshold=args.imbalance_threshold,
-                max_share=args.max_share or None, api_key=api_key)
+                max_share=args.max_share or None)
         except ValueError as exc:
             raise SpanQueryError("serve", str(exc)) from None
         serve_cluster(options, host=args.host, port=args.port, address=args.ray_address)
         return 0
-    serve(model=args.model, host=args.host, port=args.port, api_key=api_key,
-          block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
-          extra_args=getattr(args, "vllm_args", []), adapters=_adapters(args),
-          routing=not args.no_routing, span_store=args.span_store,
-          span_store_gib=_store_gib(args.span_store, args.span_store_gib, "--span-store-gib"))
+    serve(server, host=args.host, port=args.port)
     return 0
+
+
+def _server_options(args: argparse.Namespace) -> ServerOptions:
+    """``serve``'s options for its server (or each replica's), checked before anything
+    starts; the API key from ``--api-key``, else ``$SPAN_WORKFLOWS_API_KEY``, else
+    ``$VLLM_API_KEY``."""
+    from span_workflows.serving.launch import ServerOptions
+
+    api_key = (args.api_key or os.environ.get("SPAN_WORKFLOWS_API_KEY")
+               or os.environ.get("VLLM_API_KEY"))
+    gib = _store_gib(args.span_store, args.span_store_gib, "--span-store-gib")
+    try:
+        return ServerOptions(
+            model=args.model, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+            extra_args=tuple(getattr(args, "vllm_args", [])), adapters=_adapters(args),
+            routing=not args.no_routing, span_store=args.span_store, span_store_gib=gib,
+            api_key=api_key)
+    except ValueError as exc:  # named by its field: block_size is --block-size
+        raise SpanQueryError("serve", str(exc)) from None
 
 
 def _store_gib(store: Path | None, gib: float | None, option: str) -> float | None:

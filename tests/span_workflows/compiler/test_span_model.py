@@ -20,7 +20,7 @@ from span_workflows.compiler.model import (
     span_defaults,
 )
 from span_workflows.runtime.engine import available_models
-from span_workflows.serving.launch import server_command
+from span_workflows.serving.launch import ServerOptions
 from span_workflows.tune.train import TRAINED_OPTIONS
 
 
@@ -51,13 +51,13 @@ def test_the_base_is_the_default_and_the_span_ready_model_one_name_away() -> Non
         progress=False)
     assert resolve_model(SPAN_MODEL_NAME, progress=False) != base
     assert span_defaults(base) == {}  # the base records no span options: the library's own
-    cmd = server_command(None, device="cpu")
+    cmd = ServerOptions().command(device="cpu")
     assert str(base) in cmd and BASE_MODEL_NAME in cmd and SPAN_MODEL_NAME not in cmd
 
 
 def test_the_span_ready_model_is_served_by_its_name() -> None:
     assert SPAN_MODEL_NAME in available_models()
-    cmd = server_command(SPAN_MODEL_NAME, device="cpu")
+    cmd = ServerOptions(SPAN_MODEL_NAME).command(device="cpu")
     merged = str(resolve_model(SPAN_MODEL_NAME, progress=False))
     assert merged in cmd
     names = cmd[cmd.index("--served-model-name") + 1:][:2]

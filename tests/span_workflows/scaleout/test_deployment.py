@@ -27,6 +27,8 @@ def test_metrics_of_replicas_are_merged_with_a_replica_label() -> None:
     ({"num_gpus": -1}, "num_gpus"),
     ({"capacity_tokens": 0}, "capacity_tokens"),
     ({"imbalance_threshold": -1}, "imbalance_threshold"),
+    ({"server": {"kv_cache_gib": 0}}, "kv_cache_gib"),
+    ({"server": {"span_store": "/tmp/store"}}, "span_store is not available with replicas"),
 ])
 def test_bad_options_are_refused(bad, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -46,7 +48,7 @@ def test_serve_replicas_builds_cluster_options(monkeypatch) -> None:
                      "--router", "prefix-affinity", "--", "--max-model-len", "4096"]) == 0
     options = seen["options"]
     assert (options.replicas, options.num_gpus, options.router) == (3, 1.0, "prefix-affinity")
-    assert options.extra_args == ("--max-model-len", "4096") and seen["port"] == 9000
+    assert options.server.extra_args == ("--max-model-len", "4096") and seen["port"] == 9000
 
 
 def test_serve_replicas_reports_bad_options(capsys) -> None:
@@ -104,3 +106,30 @@ def test_the_ingress_loads_its_tokenizer_before_a_replica_answers(monkeypatch) -
     monkeypatch.setattr(core, "_call", info)
     asyncio.run(core._prepare())
     assert built == {"tokenizer": "the tokenizer", "block": 16}
+
+
+def test_a_replica_runs_the_servers_options_and_survives_the_trip_as_a_dict() -> None:
+    """What each replica's server runs with is ``serve``'s own :class:`ServerOptions`; Ray
+    hands a replica its options as a dict (``asdict``), and they come back the same."""
+    from dataclasses import asdict
+
+    from span_workflows.serving.launch import ServerOptions
+
+    server = ServerOptions(kv_cache_gib=3, block_size=16, extra_args=("--max-num-seqs", "4"),
+                           api_key="k", routing=False)
+    options = ClusterOptions(replicas=2, server=server)
+    assert ClusterOptions(**asdict(options)) == options
+    assert ClusterOptions(server=asdict(server)).server == server  # a Serve config's mapping
+
+
+def test_the_shipped_serve_config_builds_its_options() -> None:
+    """``deploy/ray-serve.yaml``'s ``args`` are :class:`ClusterOptions` fields."""
+    from pathlib import Path
+
+    import yaml
+
+    config = Path(__file__).parents[3] / "deploy" / "ray-serve.yaml"
+    (app,) = yaml.safe_load(config.read_text(encoding="utf-8"))["applications"]
+    options = ClusterOptions(**app["args"])
+    assert options.server.model == "meta-llama/Llama-3.1-8B-Instruct"
+    assert options.server.extra_args[:2] == ("--max-model-len", "32768")

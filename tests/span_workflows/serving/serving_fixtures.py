@@ -8,15 +8,20 @@ from pathlib import Path
 
 import httpx
 
-from span_workflows.serving.launch import start_server_process, stop_server_process
+from span_workflows.serving.launch import (
+    ServerOptions,
+    start_server_process,
+    stop_server_process,
+)
 
 
 @contextmanager
 def running_server(log_dir: Path, api_key: str, timeout: float) -> Iterator[str]:
     """A span server on loopback (1 GiB of KV cache, 4096-token context); yields its URL and
     stops it after (the process must be gone)."""
-    proc, url = start_server_process(api_key=api_key, kv_cache_gib=1, timeout=timeout,
-                                     log_path=log_dir / "server.log", max_model_len=4096)
+    options = ServerOptions(api_key=api_key, kv_cache_gib=1, max_model_len=4096)
+    proc, url = start_server_process(options, timeout=timeout,
+                                     log_path=log_dir / "server.log")
     try:
         yield url
     finally:

@@ -70,3 +70,5 @@ def test_bench_waits_unless_told_not_to(lock_file: Path, monkeypatch) -> None:
     monkeypatch.setattr("span_workflows.apps.bench.store.run_store", lambda argv: len(argv))
     assert run.run_bench("store", ["--no-wait", "--x"]) == 1 and waited == []
     assert run.run_bench("store", ["--x"]) == 1 and waited == [True]
+    # asking for help measures nothing: it never waits for a run
+    assert run.run_bench("store", ["--help"]) == 1 and waited == [True]
