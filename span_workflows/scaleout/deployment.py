@@ -282,33 +282,38 @@ def _label(text: str, name: str) -> int | None:
 
 
 def relabel_metrics(texts: dict[str, str]) -> str:
-    """Prometheus texts of several replicas as one: every sample gets a ``replica`` label,
-    each ``# HELP`` / ``# TYPE`` line is kept once."""
-    seen: set[str] = set()
-    out: list[str] = []
+    """Prometheus texts of several replicas as one (``prometheus_client``'s parser and
+    writer): every sample gets a ``replica`` label, each family's ``# HELP`` / ``# TYPE`` is
+    written once, with the samples of every replica under it; a replica whose text does not
+    parse is named in a comment line instead."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families: dict[str, Metric] = {}
+    unreadable: list[str] = []
     for replica, text in sorted(texts.items()):
-        label = f'replica="{_escape(replica)}"'
-        for line in text.splitlines():
-            if not line.strip():
-                continue
-            if line.startswith("#"):
-                if line not in seen:
-                    seen.add(line)
-                    out.append(line)
-                continue
-            name, _, rest = line.partition(" ")
-            if name.endswith("}"):
-                out.append(f"{name[:-1]},{label}}} {rest}" if not name.endswith("{}")
-                           else f"{name[:-2]}{{{label}}} {rest}")
-            elif "{" in name:  # a label value with a space: keep the line as is, labelled last
-                out.append(line)
-            else:
-                out.append(f"{name}{{{label}}} {rest}")
-    return "\n".join(out) + "\n"
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError as exc:  # one replica's bad text costs its samples, not the page
+            unreadable.append(f"# replica {replica}: metrics not readable ({exc})\n")
+            continue
+        for family in parsed:
+            merged = families.setdefault(family.name, Metric(
+                family.name, family.documentation, family.type, family.unit))
+            merged.samples += [sample._replace(labels={**sample.labels, "replica": replica})
+                               for sample in family.samples]
+    return generate_latest(_Families(families)).decode() + "".join(unreadable)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"')
+@dataclass(frozen=True)
+class _Families:
+    """Parsed metric families, as a collector ``generate_latest`` writes."""
+
+    families: dict[str, Any]
+
+    def collect(self) -> Any:
+        return iter(self.families.values())
 
 
 # --------------------------------------------------------------------------------------------

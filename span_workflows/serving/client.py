@@ -24,6 +24,7 @@ from contextlib import closing, contextmanager
 from typing import Any, TypeVar
 
 import httpx
+from httpx_sse import EventSource
 
 from span_workflows.errors import ServerError, ServerUnavailableError, SpanQueryError
 from span_workflows.query.ir import Node
@@ -187,24 +188,24 @@ class SpanServer:
     def _events(self, body: dict[str, Any]) -> Iterator[str | Result]:
         """The deltas, then the result, of a streamed request."""
         request = self._client.build_request("POST", wire.EXECUTE_PATH, json=body)
-        with closing(self._stream_lines(request)) as lines:
-            for line in lines:
-                if (item := wire.parse_event(line, self.url)) is not None:
+        with closing(self._stream_events(request)) as events:
+            for data in events:
+                if (item := wire.parse_event(data, self.url)) is not None:
                     yield item
                     if isinstance(item, Result):
                         return
 
-    def _stream_lines(self, request: httpx.Request) -> Iterator[str]:
-        """The lines of the streamed answer to ``request`` (sent again while the server cannot
-        be reached); the server's error for an answer other than 200. Close it to close the
-        response."""
+    def _stream_events(self, request: httpx.Request) -> Iterator[str]:
+        """The data of each server-sent event answering ``request`` (sent again while the
+        server cannot be reached; read by ``httpx-sse``: lines end at CR and LF only); the
+        server's error for an answer other than 200. Close it to close the response."""
         response = self._retrying(lambda: self._client.send(request, stream=True))
         try:
             with self._reachable():
                 if response.status_code != 200:
                     response.read()
                     wire.read_response(response.status_code, response.text, self.url)  # raises
-                yield from response.iter_lines()
+                yield from (event.data for event in EventSource(response).iter_sse())
         finally:
             response.close()
 
@@ -218,8 +219,8 @@ class SpanServer:
                     if response.status_code != 200:
                         await response.aread()
                         wire.read_response(response.status_code, response.text, self.url)
-                    async for line in response.aiter_lines():
-                        if (item := wire.parse_event(line, self.url)) is not None:
+                    async for event in EventSource(response).aiter_sse():
+                        if (item := wire.parse_event(event.data, self.url)) is not None:
                             yield item
                             if isinstance(item, Result):
                                 return

@@ -252,15 +252,13 @@ def error_event(exc: BaseException) -> dict[str, Any]:
     return {"error": {"message": str(exc) or type(exc).__name__, "type": kind}}
 
 
-def parse_event(line: str, url: str) -> str | Result | None:
-    """What one line of a stream carries: a delta (``str``), the final :class:`Result`
-    (``done``), or ``None`` (not an event). Raises the error an ``error`` event reports."""
-    if not line.startswith("data:"):
+def parse_event(data: str, url: str) -> str | Result | None:
+    """What one event of a stream carries, given its data (an SSE reader's ``data``, the
+    ``data:`` field without its name): a delta (``str``), the final :class:`Result`
+    (``done``), or ``None`` (no data). Raises the error an ``error`` event reports."""
+    if not data.strip():
         return None
-    payload = line[5:].strip()
-    if not payload:
-        return None
-    event = json.loads(payload)
+    event = json.loads(data)
     if "delta" in event:
         return str(event["delta"])
     if event.get("done"):

@@ -18,7 +18,13 @@ def test_metrics_of_replicas_are_merged_with_a_replica_label() -> None:
     assert merged.count("# TYPE span_hit_blocks_total counter") == 1
     assert 'span_hit_blocks_total{replica="r1"} 3.0' in merged
     assert 'span_hit_blocks_total{replica="r2"} 5.0' in merged
-    assert 'vllm:num_requests_running{model_name="m",engine="0",replica="r2"} 1.0' in merged
+    assert 'vllm:num_requests_running{engine="0",model_name="m",replica="r2"} 1.0' in merged
+    # a label value with a space or an escaped quote is labelled too
+    odd = relabel_metrics({"r1": 'x{path="a b",q="say \\"hi\\""} 2\n'})
+    assert 'x{path="a b",q="say \\"hi\\"",replica="r1"} 2.0' in odd
+    # a replica whose text does not parse loses its samples, not the others'
+    both = relabel_metrics({"r1": a, "r2": "x{oops 1\n"})
+    assert 'span_hit_blocks_total{replica="r1"} 3.0' in both and "# replica r2:" in both
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -127,6 +127,27 @@ def test_stream_yields_deltas_until_done() -> None:
     assert list(_server(handler).stream(QUERY)) == ["hel", "lo"]
 
 
+def test_stream_deltas_keep_unicode_line_separators() -> None:
+    """The server writes deltas as they are (``ensure_ascii=False``): a delta holding U+2028,
+    U+0085 or a form feed is one event, which only an SSE reader (lines end at CR and LF
+    alone) reads back whole; a reader of text lines splits it and fails on the JSON."""
+    from span_workflows.serving import wire
+
+    deltas = ["a\u2028b", "c\x85d", "e\x0cf", "g\u2029"]
+    body = b"".join(wire.sse(wire.delta_event(d)) for d in deltas)
+    body += wire.sse({"done": True, "usage": ANSWER["usage"]})
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    assert list(_server(handler).stream(QUERY)) == deltas
+
+    async def collect() -> list[str]:
+        return [d async for d in _server(handler).astream(QUERY)]
+
+    assert asyncio.run(collect()) == deltas
+
+
 def test_stream_error_event_raises() -> None:
     sse = 'data: {"delta": "a"}\n\ndata: {"error": {"message": "boom", "type": "x"}}\n\n'
 
