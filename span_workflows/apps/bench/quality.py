@@ -584,12 +584,24 @@ def run_quality(args: Any) -> int:
 def merge_rows(previous: list[dict[str, Any]], rows: list[dict[str, Any]]
                ) -> list[dict[str, Any]]:
     """``previous`` rows (an earlier run's JSON) with this run's ``rows`` in place of those
-    of the same model, document size, document count and variant, which come last."""
+    of the same model, document size, document count and variant, which come last. A
+    previous row of a model this run measured on other weights (another checkpoint; for
+    ``routed`` rows, other adapters too) is dropped: one table, one set of weights a model."""
     def ident(row: dict[str, Any]) -> tuple[Any, ...]:
         return row.get("model"), row.get("size", "short"), row["n_docs"], row["variant"]
 
+    def weights(row: dict[str, Any]) -> tuple[Any, ...]:
+        adapters = row.get("adapters") if row["variant"] == "routed" else None
+        return row.get("model_dir"), json.dumps(adapters, sort_keys=True)
+
     ours = {ident(r) for r in rows}
-    return [r for r in previous if ident(r) not in ours] + rows
+    measured = {(r.get("model"), r["variant"] == "routed"): weights(r) for r in rows}
+
+    def current(row: dict[str, Any]) -> bool:
+        now = measured.get((row.get("model"), row["variant"] == "routed"))
+        return now is None or now == weights(row)
+
+    return [r for r in previous if ident(r) not in ours and current(r)] + rows
 
 
 def _variant(name: str) -> Variant:

@@ -31,16 +31,30 @@ def _points(value: float) -> str:
     return f"{100 * value:+.1f}".replace("-", "−")
 
 
-def quality_block(rows: list[dict[str, Any]]) -> str:
+def shipped_adapter_digest() -> str | None:
+    """The SHA-256 of the span-ready adapter committed under ``span_workflows/adapters/``
+    (what an engine on the base routes span queries to), ``None`` if it is missing."""
+    from span_vllm.contract import adapter_digest
+    from span_workflows.compiler.model import bundled_adapters
+
+    path = bundled_adapters().get(SPAN_READY)
+    return adapter_digest(path) if path is not None else None
+
+
+def quality_block(rows: list[dict[str, Any]], adapter: str | None = None) -> str:
     """What span mode costs in answers on the default engine: for every cell of
     ``quality.json`` with a ``routed`` row (the default ``Engine()``), its span accuracy beside
     the base's stock accuracy on the same questions, and the paired difference with its 95 %
-    interval."""
-    routed = [r for r in rows if r.get("model") == BASE and r["variant"] == "routed"]
+    interval. With ``adapter`` (a digest), only the rows that span-ready adapter answered:
+    rows of an earlier adapter are not the price of the one shipped."""
+    routed = [r for r in rows if r.get("model") == BASE and r["variant"] == "routed"
+              and (adapter is None or r.get("adapters", {}).get(SPAN_READY) == adapter)]
     stock = {(r.get("size", "short"), r["n_docs"], r["questions"]): r for r in rows
              if r.get("model") == BASE and r["variant"] == "stock"}
-    lines = ["| documents | questions | stock (base weights) | span queries (adapter) "
-             "| difference, 95 % interval |", "|---|---|---|---|---|"]
+    named = f" {adapter[:8]}" if adapter else ""
+    lines = ["| documents | questions | stock (base weights) "
+             f"| span queries (adapter{named}) | difference, 95 % interval |",
+             "|---|---|---|---|---|"]
     for r in sorted(routed, key=lambda r: (r.get("size", "short") != "short", r["n_docs"])):
         size = r.get("size", "short")
         base = stock[(size, r["n_docs"], r["questions"])]
@@ -48,12 +62,14 @@ def quality_block(rows: list[dict[str, Any]]) -> str:
             f"| {size}, {r['n_docs']} | {r['questions']} | {_pct(base['accuracy'])} "
             f"| {_pct(r['accuracy'])} | {_points(r['delta_vs_stock'])} "
             f"[{_points(r['delta_low'])}, {_points(r['delta_high'])}] |")
+    if not routed:
+        lines.append("| – | – | – | not measured on this adapter yet | – |")
     return "\n".join(lines)
 
 
 #: Each generated block: its name, its results file and what makes the block from it.
 GENERATORS: dict[str, tuple[str, Callable[[list[dict[str, Any]]], str]]] = {
-    "quality": ("quality.json", quality_block),
+    "quality": ("quality.json", lambda rows: quality_block(rows, shipped_adapter_digest())),
 }
 
 

@@ -365,6 +365,26 @@ def test_rows_of_an_earlier_run_merge_and_print_with_their_extra_columns() -> No
     assert lines[-1].split()[-2:] == ["0.5000", "–"] and lines[1].split()[-1] == "22.9000"
 
 
+def test_merging_drops_the_rows_of_other_weights() -> None:
+    """A model measured again on another checkpoint, or its routed rows on other adapters:
+    the earlier rows of those weights leave the table; rows of unchanged weights stay."""
+    def row(variant: str, n_docs: int, model_dir: str, adapter: str) -> dict:
+        return {"model": "base", "size": "short", "n_docs": n_docs, "variant": variant,
+                "model_dir": model_dir, "adapters": {"span": adapter}, "accuracy": 0.5}
+
+    previous = [row("stock", 8, "base-1", "a1"), row("routed", 8, "base-1", "a1"),
+                row("prefix", 8, "base-1", "a1"),
+                {**row("prefix", 8, "span-1", "-"), "model": "span"}]
+    ours = [row("stock", 4, "base-1", "a2"), row("routed", 4, "base-1", "a2")]
+    merged = bq.merge_rows(previous, ours)
+    # base stock and prefix at 8 are still the base's answers; routed at 8 was adapter a1's
+    assert [(r["variant"], r["n_docs"]) for r in merged if r["model"] == "base"] == [
+        ("stock", 8), ("prefix", 8), ("stock", 4), ("routed", 4)]
+    assert any(r["model"] == "span" for r in merged)  # another model: not measured here
+    again = bq.merge_rows(merged, [{**row("prefix", 4, "span-2", "-"), "model": "span"}])
+    assert [r["model_dir"] for r in again if r["model"] == "span"] == ["span-2"]
+
+
 def test_a_models_perplexity_is_measured_once_and_kept(tmp_path: Path) -> None:
     path = tmp_path / "answers.json"
     calls: list[int] = []

@@ -43,3 +43,20 @@ def test_the_quality_table_pairs_each_default_engine_row_with_base_stock(tmp_pat
     assert text.startswith("# Title\n\n<!-- generated: quality -->\n| documents")
     assert text.endswith("|\n<!-- end: quality -->\n\nafter\n") and "old" not in text
     assert readme_tables.update_readme(readme, results) == []  # already current
+
+
+def test_the_quality_table_shows_only_the_shipped_adapters_rows() -> None:
+    """A routed row answered by an earlier adapter is not the price of the one shipped."""
+    def row(variant: str, accuracy: float, digest: str) -> dict:
+        return {"model": "smollm2-135m-instruct", "variant": variant, "size": "short",
+                "n_docs": 4, "questions": 200, "accuracy": accuracy,
+                "adapters": {"smollm2-135m-instruct-span": digest},
+                "delta_vs_stock": 0.0, "delta_low": -0.1, "delta_high": 0.1}
+
+    rows = [row("stock", 0.5, "old"), row("routed", 0.2, "old")]
+    shipped = readme_tables.shipped_adapter_digest()
+    assert shipped is not None and len(shipped) == 64
+    table = readme_tables.quality_block(rows, shipped)
+    assert "20.0 %" not in table and "not measured on this adapter yet" in table
+    assert f"adapter {shipped[:8]}" in table
+    assert "20.0 %" in readme_tables.quality_block(rows, "old")
