@@ -48,7 +48,7 @@ NEEDS_BACKEND = (
     ".invoke(", ".stream(", ".query(", "OpenAI(", "ChatOpenAI(", "OpenAILike(",
     "SpanChatModel(", "SpanLLM(", "SpanRetriever(", "SpanTextSplitter(", "FunctionAgent(",
     "create_react_agent(",
-    "run_bulk_on_ray(", "httpx.", "requests.",
+    "run_bulk_on_ray(", "start_server_process(", "httpx.", "requests.",
 )
 #: The first line of a block that is a fragment on purpose (compiled, not run).
 FRAGMENT = "# fragment"
@@ -150,6 +150,7 @@ def test_python_blocks_compile_and_the_runnable_ones_run() -> None:
 #: compiled only, and the call runs as written in the test named.
 RUN_ELSEWHERE = {
     "run_bulk_on_ray(": "span_workflows/scaleout/test_ray_bulk.py (two Ray actors)",
+    "start_server_process(": "span_workflows/serving/serving_fixtures.py (a server of its own)",
 }
 #: Where the examples' server lives, and its key, in the text of the examples.
 EXAMPLE_URL, EXAMPLE_KEY = "http://127.0.0.1:8000", '"KEY"'
