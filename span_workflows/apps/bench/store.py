@@ -3,13 +3,16 @@
 Three parts, in one run, on engines with a span store in one directory (``--store``, default a
 temporary one, removed after):
 
-* **TTFT, three ways** (``rows`` ``way``): ``--docs`` documents (default 16) of ``--doc-tokens``
+* **TTFT, four ways** (``rows`` ``way``): ``--docs`` documents (default 16) of ``--doc-tokens``
   tokens (default 440), a new combination each repetition (every document indexed, never this
   set asked), answered *in the cache* (its spans cached by earlier queries), *from the store*
-  (the KV cache emptied first: what a restart leaves) and *stock* (vLLM's prefix caching, cache
-  emptied: nothing anywhere). Per way: the median TTFT, engine steps and blocks loaded from the
-  store, the ratio to stock and to the in-cache hit; every answer is checked against the
-  in-cache one (``same_output``).
+  (the KV cache emptied first: what a restart leaves) with its files in the page cache
+  (``store``) and read from the disk (``store, disk``: every file's pages dropped first), and
+  *stock* (vLLM's prefix caching, cache emptied: nothing anywhere). Every way runs on the same
+  weights (those the engine's router picks for the span query: the adapter on the default
+  engine). Per way: the median TTFT, engine steps and blocks loaded from the store, the ratio
+  to stock and to the in-cache hit; every answer is checked against the in-cache one
+  (``same_output``).
 * **Load throughput** (``way`` = ``load``): the store's KV blocks read back directly
   (:meth:`span_vllm.store.SpanStore.read_into`, checksum included), from the page cache and
   from the disk (each file's pages synced and dropped first, ``posix_fadvise``; a virtual
@@ -20,7 +23,8 @@ temporary one, removed after):
   blocks, a corpus of ``--corpus-factor`` (10) times that many tokens of new documents indexed
   beside the ``3 x --docs`` the first part indexed (``corpus_over_cache``: 15.1 in the committed
   run), then ``--queries`` queries of 4 random documents: the share of their span tokens served
-  from the cache or the store (the rest computed), and the first query's engine steps.
+  from the cache and from the store and computed, each from its own counter (``hit_blocks``,
+  ``store_hit_blocks``, ``miss_blocks``), and the first query's engine steps.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from span_workflows.apps.bench.options import add_results_dir, new_parser
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
+#: the TTFT part's ways, in the order of the tables
+WAYS = ("in cache", "store", "store, disk", "stock")
 #: documents per query of the large-corpus part
 CORPUS_QUERY_DOCS = 4
 
@@ -69,26 +75,30 @@ def bench_ways(engine: Any, docs: list[str], k: int, reps: int,
     report = index_documents(engine, docs, SYSTEM, batch_size=8, progress=progress)
     span_store_flush()
     seen, fresh = new_combinations(docs, k, reps, seed=k)
-    runs: dict[str, list[tuple[Any, dict[str, int]]]] = {"in cache": [], "store": [],
-                                                         "stock": []}
+    runs: dict[str, list[tuple[Any, dict[str, int]]]] = {
+        "in cache": [], "store": [], "store, disk": [], "stock": []}
     same = []
+    # the weights span queries run on (the router's pick); every way runs on them
+    weights = engine.execute(rag(SYSTEM, seen[0], QUESTION, max_tokens=1)).metrics.weights
     for combination in tqdm(fresh, desc="store: ways", disable=not progress):
         query = rag(SYSTEM, combination, QUESTION, max_tokens=8)
-        engine.reset_cache()  # cache cold, store full: what a restart leaves
-        before = _stats()
-        stored = engine.execute(query)
-        runs["store"].append((stored, _moved(before)))
+        for way in ("store, disk", "store"):  # cache cold, store full: what a restart leaves
+            engine.reset_cache()
+            if way == "store, disk":
+                _drop_store_pages()
+            before = _stats()
+            runs[way].append((engine.execute(query, weights=weights), _moved(before)))
         engine.reset_cache()
         for earlier in seen:  # every document in the cache, never this set
-            engine.execute(rag(SYSTEM, earlier, QUESTION, max_tokens=1))
+            engine.execute(rag(SYSTEM, earlier, QUESTION, max_tokens=1), weights=weights)
         before = _stats()
-        cached = engine.execute(query)
+        cached = engine.execute(query, weights=weights)
         runs["in cache"].append((cached, _moved(before)))
         engine.reset_cache()
         before = _stats()
-        stock = engine.stock(query)
+        stock = engine.stock(query, weights=weights)
         runs["stock"].append((stock, _moved(before)))
-        same.append(stored.text == cached.text)
+        same += [runs[way][-1][0].text == cached.text for way in ("store", "store, disk")]
     med = statistics.median
     ttft = {way: med(r.metrics.ttft_s for r, _ in v) for way, v in runs.items()}
     rows = []
@@ -153,6 +163,17 @@ def bench_load(engine: Any, stock_rows: dict[str, Any], max_blocks: int = 512
             "kv_bytes_per_token": block_bytes / engine.block_size, "store_files": files}
 
 
+def _drop_store_pages() -> None:
+    """Drop every file of the engine's store in this process from the page cache."""
+    import span_vllm
+
+    local = span_vllm.span_store_local()
+    if local is None:
+        raise RuntimeError("the engine in this process has no span store")
+    for entry in local[0].files():
+        _drop_pages(entry.path)
+
+
 def _drop_pages(path: str) -> None:
     """Ask the kernel to drop ``path``'s clean pages from the page cache (a cold read)."""
     fd = os.open(path, os.O_RDONLY)
@@ -180,19 +201,19 @@ def bench_corpus(engine: Any, docs: list[str], indexed: int, queries: int, seed:
     first_moved = _moved(before)
     report = index_documents(engine, docs, SYSTEM, batch_size=8, progress=progress)
     span_store_flush()
-    served = computed = from_store = from_cache = 0
+    spans = computed = from_store = from_cache = 0
     for _ in tqdm(range(queries), desc="store: corpus", disable=not progress):
         pick = rng.sample(docs, CORPUS_QUERY_DOCS)
         before = _stats()
         result = engine.execute(rag(SYSTEM, pick, QUESTION, max_tokens=8))
         moved = _moved(before)
-        spans = result.query.num_span_tokens if result.query else 0
-        misses = min(spans, moved.get("miss_blocks", 0) * engine.block_size)
-        hits = min(spans - misses, moved.get("hit_blocks", 0) * engine.block_size)
-        computed += misses
-        from_cache += hits
-        from_store += spans - misses - hits  # neither computed nor a cache hit: loaded
-        served += spans - misses
+        spans += result.query.num_span_tokens if result.query else 0
+        # each source from its own counter (a block loaded from the store is neither a
+        # cache hit nor computed); what none of them counts is reported, not assigned
+        from_cache += moved.get("hit_blocks", 0) * engine.block_size
+        from_store += moved.get("store_hit_blocks", 0) * engine.block_size
+        computed += moved.get("miss_blocks", 0) * engine.block_size
+    served = from_cache + from_store
     total = served + computed
     corpus_tokens = sum(len(engine.tokenizer.encode(d, add_special_tokens=False))
                         for d in docs)
@@ -201,6 +222,7 @@ def bench_corpus(engine: Any, docs: list[str], indexed: int, queries: int, seed:
             "corpus_over_cache": corpus_tokens / engine.cache_tokens,
             "index_s": report.seconds,
             "queries": queries, "span_tokens": total,
+            "span_tokens_of_queries": spans,
             "served_share": served / total if total else 0.0,
             "from_store_share": from_store / total if total else 0.0,
             "from_cache_share": from_cache / total if total else 0.0,
@@ -255,7 +277,7 @@ def run_store(argv: list[str]) -> int:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The three tables of the run, in Markdown."""
-    ways = [r for r in rows if r["way"] in ("in cache", "store", "stock")]
+    ways = [r for r in rows if r["way"] in WAYS]
     load = next(r for r in rows if r["way"] == "load")
     corpus = next(r for r in rows if r["way"] == "corpus")
     first = ways[0]
@@ -294,11 +316,13 @@ def plot_store(rows: list[dict[str, Any]], path: Path) -> None:
 
     from span_workflows.apps.bench.report import save_figure
 
-    ways = [r for r in rows if r["way"] in ("in cache", "store", "stock")]
+    ways = [r for r in rows if r["way"] in WAYS]
     corpus = next(r for r in rows if r["way"] == "corpus")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    colors = {"in cache": "#55a868", "store": "#4c72b0", "store, disk": "#8172b2",
+              "stock": "#c44e52"}
     left.bar([r["way"] for r in ways], [r["ttft_s"] for r in ways],
-             color=["#55a868", "#4c72b0", "#c44e52"])
+             color=[colors[r["way"]] for r in ways])
     left.set_yscale("log")
     left.set_ylabel("TTFT (s)")
     left.set_title(f"{ways[0]['n_docs']} x {ways[0]['doc_tokens']} tokens, new combination")

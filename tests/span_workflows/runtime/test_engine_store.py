@@ -192,17 +192,22 @@ def test_bench_store_rows_on_a_tiny_corpus(store_engine, tmp_path: Path) -> None
     docs = documents(store_engine.tokenizer, 6, 64)
     ways, _ = bench_ways(store_engine, docs, 2, 1, progress=False)
     by_way = {row["way"]: row for row in ways}
-    assert set(by_way) == {"in cache", "store", "stock"}
+    assert set(by_way) == {"in cache", "store", "store, disk", "stock"}
     assert by_way["store"]["store_blocks"] > 0 and by_way["in cache"]["store_blocks"] == 0
+    assert by_way["store, disk"]["store_blocks"] == by_way["store"]["store_blocks"]
     assert by_way["store"]["final_steps"] == 1 and by_way["store"]["same_output"]
+    # one set of weights every way: the span query's, stock included
+    assert len({row["weights"] for row in ways}) == 1
     load = bench_load(store_engine, by_way["stock"], max_blocks=8)
     assert load["blocks_read"] == 8 and load["store_gb_per_s_disk"] > 0
     assert load["kv_bytes_per_token"] <= load["disk_bytes_per_token"] < 1.01 * load[
         "kv_bytes_per_token"]
     corpus = bench_corpus(store_engine, docs, 6, 2, seed=0, progress=False)
     assert corpus["first_query_miss_blocks"] == 0 and corpus["served_share"] == 1.0
+    # every source from its own counter: together they are every span token asked
+    assert corpus["span_tokens"] == corpus["span_tokens_of_queries"]
     rows = [*ways, load, corpus]
-    assert "| store |" in markdown(rows)
+    assert "| store |" in markdown(rows) and "| store, disk |" in markdown(rows)
     plot_store(rows, tmp_path / "store.png")
     assert (tmp_path / "store.png").stat().st_size > 0
 
