@@ -141,6 +141,13 @@ def bench_parser(name: str = "NAME") -> argparse.ArgumentParser:
     parser.add_argument("--merge-json", type=Path, default=None,
                         help="quality: keep the rows of other models from this JSON file "
                              "(the same path as --json to grow one table)")
+    parser.add_argument("--choose-default", action="store_true",
+                        help="quality: print the model's default span options chosen from "
+                             "its link frontier (the fewest recomputed tokens within 2 points "
+                             "of stock in every cell, else the best reachable)")
+    parser.add_argument("--write-default", type=Path, default=None, metavar="MODEL_DIR",
+                        help="quality: record that choice in MODEL_DIR/span_workflows.json, "
+                             "the defaults engines and servers on that model start with")
     return parser
 
 

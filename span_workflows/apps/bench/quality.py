@@ -578,6 +578,13 @@ def run_quality(args: Any) -> int:
         args.markdown.write_text(markdown_table(rows))
     if args.plot:
         plot_quality(rows, args.plot)
+    if args.choose_default or args.write_default:
+        from span_workflows.apps.bench.frontier import choose_default, write_default
+
+        choice = choose_default(rows, _model_label(Path(str(engine_dir)).name))
+        print(choice.describe())
+        if args.write_default:
+            print(f"written to {write_default(args.write_default, choice)}")
     return 0
 
 
