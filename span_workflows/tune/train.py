@@ -443,6 +443,7 @@ def tune(out: Path, config: TuneConfig, *, model: str | None = None, device: str
     if report.examples >= len(stream):
         report.adapter.mkdir(parents=True, exist_ok=True)
         peft_model.save_pretrained(str(report.adapter))
+        portable_adapter(report.adapter, run.base_model)
         log = training_log(run, state)
         started_from = _training_log(config.init_adapter)
         if started_from is not None:  # the runs this one continued, oldest first
@@ -547,6 +548,17 @@ class _RunInfo:
     data_sha256: str
 
 
+def portable_adapter(adapter: Path, base_model: str) -> None:
+    """Make the adapter ``peft`` saved in ``adapter`` the same on every machine: its config
+    names the base as the run was given it (a bundled name, not this machine's cache path),
+    and the model card ``peft`` writes (which repeats that path) is removed."""
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = base_model
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (adapter / "README.md").unlink(missing_ok=True)
+
+
 def training_log(run: _RunInfo, state: Any) -> dict[str, Any]:
     """The log of a run so far (``state``: its :class:`~span_workflows.tune.checkpoint.RunState`):
     its config and recipe, the base model, the data's checksum, the commit, machine and package
@@ -637,4 +649,5 @@ def _lr_lambda(config: TuneConfig) -> Callable[[int], float]:
 
 
 __all__ = ["ExampleStream", "RECIPES", "TARGET_MODULES", "TuneConfig", "TuneReport",
-           "item_loss", "load_base", "training_log", "training_loss", "tune"]
+           "item_loss", "load_base", "portable_adapter", "training_log", "training_loss",
+           "tune"]

@@ -361,9 +361,14 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                   max_seconds=None if args.hours is None else 3600 * args.hours)
     done = report.examples >= config.examples
     first, last = (report.losses[0], report.losses[-1]) if report.losses else (0.0, 0.0)
-    print(f"trained {report.examples - report.resumed_from} examples in "
-          f"{report.seconds:.0f} s ({report.seconds_per_1k / 60:.1f} min per 1k examples on "
-          f"{args.device}); loss {first:.3f} -> {last:.3f}")
+    trained = report.examples - report.resumed_from
+    if trained:
+        print(f"trained {trained} examples in {report.seconds:.0f} s "
+              f"({report.seconds_per_1k / 60:.1f} min per 1k examples on {args.device}); "
+              f"loss {first:.3f} -> {last:.3f}")
+    else:
+        print(f"the run in {args.out} has trained all {report.examples} examples already; "
+              f"loss {first:.3f} -> {last:.3f}")
     if not done:
         print(f"stopped at {report.examples} of {config.examples}: run again to resume")
         return 0

@@ -51,6 +51,10 @@ def test_tune_learns_resumes_and_merges(tiny_tune_run: TinyTuneRun, tmp_path: Pa
     log = json.loads((out / "adapter" / "training_log.json").read_text())
     assert log["examples"] == 12 and log["losses"][:1] == progress["losses"]  # resumed
     assert [s["examples"] for s in log["segments"]] == [[0, 3], [3, 12]]
+    # the same adapter on every machine: the base by its name, no model card of local paths
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "smollm2-135m-instruct"
+    assert not (out / "adapter" / "README.md").exists()
 
     # the loss on the examples it trained on fell; the adapter loads onto the base model
     from peft import PeftModel
