@@ -138,7 +138,7 @@ class SpanServer:
             "POST", wire.BULK_PATH, content=body,
             params={"schedule": schedule, "max_in_flight": str(max_in_flight)},
             headers={"Content-Type": wire.NDJSON_MEDIA_TYPE})
-        with closing(self._stream_lines(request)) as lines:
+        with closing(self._stream(request, _ndjson_lines)) as lines:
             for line in lines:
                 if line.strip():
                     yield wire.parse_bulk_answer(json.loads(line), self.url)
@@ -188,24 +188,25 @@ class SpanServer:
     def _events(self, body: dict[str, Any]) -> Iterator[str | Result]:
         """The deltas, then the result, of a streamed request."""
         request = self._client.build_request("POST", wire.EXECUTE_PATH, json=body)
-        with closing(self._stream_events(request)) as events:
+        with closing(self._stream(request, _event_data)) as events:
             for data in events:
                 if (item := wire.parse_event(data, self.url)) is not None:
                     yield item
                     if isinstance(item, Result):
                         return
 
-    def _stream_events(self, request: httpx.Request) -> Iterator[str]:
-        """The data of each server-sent event answering ``request`` (sent again while the
-        server cannot be reached; read by ``httpx-sse``: lines end at CR and LF only); the
-        server's error for an answer other than 200. Close it to close the response."""
+    def _stream(self, request: httpx.Request,
+                read: Callable[[httpx.Response], Iterator[str]]) -> Iterator[str]:
+        """What ``read`` makes of the streamed answer to ``request`` (sent again while the
+        server cannot be reached); the server's error for an answer other than 200. Close it
+        to close the response."""
         response = self._retrying(lambda: self._client.send(request, stream=True))
         try:
             with self._reachable():
                 if response.status_code != 200:
                     response.read()
                     wire.read_response(response.status_code, response.text, self.url)  # raises
-                yield from (event.data for event in EventSource(response).iter_sse())
+                yield from read(response)
         finally:
             response.close()
 
@@ -272,5 +273,22 @@ class SpanServer:
             return ServerError(self.url, 0, f"no answer within {self.timeout} s ({exc!r})")
         return ServerUnavailableError(self.url, exc or type(exc).__name__)
 
+
+
+def _event_data(response: httpx.Response) -> Iterator[str]:
+    """The data of each server-sent event of ``response`` (``httpx-sse``: lines end at CR and
+    LF only, so a U+2028 or U+0085 inside an answer stays in its event)."""
+    return (event.data for event in EventSource(response).iter_sse())
+
+
+def _ndjson_lines(response: httpx.Response) -> Iterator[str]:
+    """The lines of an NDJSON ``response``, cut at LF only (httpx's text lines also end at
+    U+2028, U+0085 and the like, which JSON strings may hold as they are)."""
+    pending = b""
+    for chunk in response.iter_bytes():
+        *lines, pending = (pending + chunk).split(b"\n")
+        yield from (line.decode() for line in lines)
+    if pending:
+        yield pending.decode()
 
 __all__ = ["ServerError", "ServerUnavailableError", "SpanServer"]

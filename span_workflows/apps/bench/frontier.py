@@ -19,8 +19,10 @@ from typing import Any
 
 from span_workflows.errors import SpanQueryError
 
-#: The variants of the link frontier, cheapest first.
-FRONTIER = ("prefix", "prefix/link", "prefix/link2", "prefix/link4", "prefix/link-all")
+#: The variants of the link frontier, cheapest first, with their link blocks per span
+#: (``bench quality``'s names; -1: every block but the last).
+FRONTIER: dict[str, int] = {"prefix": 0, "prefix/link": 1, "prefix/link2": 2,
+                            "prefix/link4": 4, "prefix/link-all": -1}
 #: Points of accuracy a default may lose against the model's own stock answers, per cell.
 TOLERANCE = 0.02
 
@@ -54,8 +56,6 @@ def choose_default(rows: list[dict[str, Any]], model: str,
     """The default of ``model`` from its ``bench quality`` rows (see the module docstring).
     Only variants measured in every cell that has a stock row compete. Raises
     :class:`~span_workflows.errors.SpanQueryError` if the rows hold no frontier of ``model``."""
-    from span_workflows.apps.bench.quality import VARIANTS
-
     own = [r for r in rows if r.get("model") == model]
     cells = sorted({_cell(r) for r in own if r["variant"] == "stock"})
     worst: dict[str, tuple[float, str]] = {}
@@ -67,13 +67,12 @@ def choose_default(rows: list[dict[str, Any]], model: str,
         raise SpanQueryError("--choose-default", f"no link frontier of {model!r} measured in "
                                                  "every cell (run the prefix/link… variants)")
     keeping = [n for n in FRONTIER if n in worst and worst[n][0] >= -tolerance - 1e-9]
-    name = keeping[0] if keeping else max(worst, key=lambda n: (worst[n][0], -FRONTIER.index(n)))
-    options = VARIANTS[name].options
-    assert options is not None
-    return DefaultChoice(model, name, {"attend": options.attend, "link_blocks":
-                                       options.link_blocks},
-                         options.link_blocks, worst[name][0], worst[name][1], bool(keeping),
-                         len(cells), {n: w for n, (w, _) in worst.items()})
+    order = list(FRONTIER)
+    name = keeping[0] if keeping else max(worst, key=lambda n: (worst[n][0], -order.index(n)))
+    links = FRONTIER[name]
+    return DefaultChoice(model, name, {"attend": "prefix", "link_blocks": links}, links,
+                         worst[name][0], worst[name][1], bool(keeping), len(cells),
+                         {n: w for n, (w, _) in worst.items()})
 
 
 def write_default(model_dir: Path, choice: DefaultChoice) -> Path:

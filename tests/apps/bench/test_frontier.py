@@ -62,3 +62,12 @@ def test_the_choice_is_what_an_engine_on_the_model_starts_with(tmp_path: Path) -
         write_default(trained, choice)
     with pytest.raises(SpanQueryError, match="not a model directory"):
         write_default(tmp_path / "missing", choice)
+
+
+def test_the_frontier_is_bench_qualitys_link_variants() -> None:
+    from span_workflows.apps.bench.frontier import FRONTIER
+    from span_workflows.apps.bench.quality import VARIANTS
+
+    for name, links in FRONTIER.items():
+        options = VARIANTS[name].options
+        assert options is not None and (options.attend, options.link_blocks) == ("prefix", links)

@@ -148,6 +148,24 @@ def test_stream_deltas_keep_unicode_line_separators() -> None:
     assert asyncio.run(collect()) == deltas
 
 
+def test_bulk_answers_keep_unicode_line_separators() -> None:
+    """A bulk answer's line is JSON written as it is: a text holding U+2028 or U+0085 is one
+    answer, cut at LF only."""
+    from span_workflows.runtime.result import BulkAnswer
+    from span_workflows.serving import wire
+
+    texts = ["a\u2028b", "c\x85d"]
+    body = b"".join(wire.bulk_answer_line(BulkAnswer(i, result=Result(t, Metrics(0, 1, 0, 1))))
+                    for i, t in enumerate(texts))
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body,
+                              headers={"content-type": wire.NDJSON_MEDIA_TYPE})
+
+    answers = list(_server(handler).iter_bulk([QUERY, QUERY]))
+    assert [a.result.text for a in answers] == texts
+
+
 def test_stream_error_event_raises() -> None:
     sse = 'data: {"delta": "a"}\n\ndata: {"error": {"message": "boom", "type": "x"}}\n\n'
 
