@@ -11,7 +11,10 @@ meaningful on a shared, noisy machine even when absolute times are not.
   document cached by earlier queries of N documents, never this set: what a retriever asks),
   *new documents* (none cached, the system prompt seen before: what every retrieval after an
   engine's first computes; stock beside it after the same earlier query, its prefix cache
-  holding what vLLM keeps of it) and the *floor* (the question alone).
+  holding what vLLM keeps of it), the *floor* (the system prompt and question alone, stock, on
+  the weights stock runs on) and *stock's exact repeat* (the same stock prompt again, every
+  document from vLLM's prefix cache: what reading the cached documents costs any engine, the
+  floor a hit can reach).
 * ``nested`` — judge/generator with a fan-out of n drafts, for each ``align``: the judge's
   TTFT and engine steps, the draft tokens it reads from cache and loses, the drafts' extra
   decode steps (:mod:`span_workflows.apps.bench.align`).
@@ -49,7 +52,7 @@ from typing import Any
 from span_workflows.apps.bench.provenance import stamp
 from span_workflows.apps.bench.report import plot, print_table
 from span_workflows.apps.demo.corpus import documents
-from span_workflows.query.builders import g, rag, user
+from span_workflows.query.builders import g, rag, system, user
 
 SYSTEM = "You are a helpful assistant. Answer the question using only the documents."
 QUESTION = "Which module do the documents describe first, in one short sentence?"
@@ -68,8 +71,8 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
     warm_up = rag(SYSTEM, [other_doc], QUESTION, max_tokens=1)  # a document of no pool
     rows = []
     for n in tqdm(docs_counts, desc="rag", disable=not progress):
-        runs: dict[str, list[Any]] = {k: [] for k in ("stock", "miss", "hit", "combo",
-                                                      "floor", "stock_new_docs",
+        runs: dict[str, list[Any]] = {k: [] for k in ("stock", "stock_repeat", "miss", "hit",
+                                                      "combo", "floor", "stock_new_docs",
                                                       "new_docs")}
         same, hits = [], []
         pool = docs[: 3 * n]
@@ -82,6 +85,9 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             stock_query = rag(SYSTEM, shuffled, QUESTION, max_tokens=8)
             span_query = rag(SYSTEM, chosen, QUESTION, max_tokens=8)
             runs["stock"].append(engine.stock(stock_query))
+            # stock's own best case: the exact same prompt again (all but its last tokens
+            # from vLLM's prefix cache): what reading the cached documents costs any engine
+            runs["stock_repeat"].append(engine.stock(stock_query))
             engine.reset_cache()
             first = engine.execute(span_query)
             runs["miss"].append(first)
@@ -101,8 +107,9 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             alone = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8))
             same.append(alone.text == combo.text)  # the hit answers as a fresh engine does
             engine.reset_cache()
-            runs["floor"].append(engine.stock(g(user(QUESTION), max_tokens=1,
-                                                temperature=0.0)))
+            # the prompt without the documents, on the weights stock queries run on
+            runs["floor"].append(engine.stock(g([system(SYSTEM), user(QUESTION)],
+                                                max_tokens=1, temperature=0.0)))
             # new documents after one earlier query with the same system prompt, both ways
             engine.reset_cache()
             engine.stock(warm_up)
@@ -117,7 +124,9 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             "n_docs": n,
             "ttft_stock_s": ttft["stock"], "ttft_span_miss_s": ttft["miss"],
             "ttft_span_hit_s": ttft["hit"], "ttft_span_new_combination_s": ttft["combo"],
-            "ttft_floor_s": ttft["floor"],
+            "ttft_floor_s": ttft["floor"], "ttft_stock_repeat_s": ttft["stock_repeat"],
+            "tokens_stock_repeat": computed["stock_repeat"],
+            "new_combination_over_stock_repeat": ttft["combo"] / ttft["stock_repeat"],
             "speedup_hit": ttft["stock"] / ttft["hit"],
             "speedup_new_combination": ttft["stock"] / ttft["combo"],
             "speedup_miss": ttft["stock"] / ttft["miss"],

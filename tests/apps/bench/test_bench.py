@@ -18,7 +18,8 @@ RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
             "tokens_new_combination", "miss_tokens_over_stock", "hit_rate", "same_output",
             "weights_span", "weights_stock", "commit", "machine", "reps", "model", "model_dir",
             "adapters", "ttft_stock_new_docs_s", "ttft_span_new_docs_s", "speedup_new_docs",
-            "steps_new_docs", "tokens_stock_new_docs", "tokens_new_docs"}
+            "steps_new_docs", "tokens_stock_new_docs", "tokens_new_docs",
+            "ttft_stock_repeat_s", "tokens_stock_repeat", "new_combination_over_stock_repeat"}
 
 
 @pytest.mark.engine
@@ -37,6 +38,8 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
         # a miss computes every document, padded to whole blocks; a hit only the question
         assert row["tokens_miss"] >= row["tokens_stock"] > row["tokens_hit"] > 0
         assert row["miss_tokens_over_stock"] == row["tokens_miss"] / row["tokens_stock"]
+        # stock's exact repeat reads every document from vLLM's prefix cache
+        assert row["tokens_stock_repeat"] < row["tokens_stock"]
         # with the system prompt cached before, new documents compute less than a cold miss
         assert row["tokens_new_docs"] < row["tokens_miss"]
         assert row["steps_new_docs"] == row["steps_miss"]
