@@ -4,8 +4,9 @@ For a model that records no options of its own, the default is the fewest recomp
 whose answers stay within ``tolerance`` (2 points) of the model's own stock answers in every
 measured cell (document size × count): the cheapest ``prefix/link…`` variant that keeps every
 cell, or, when none does, the one whose worst cell is best (``meets_target`` false, said as
-such). Recomputed tokens per document are ``link_blocks`` × the block size (``link-all``: every
-block but the last, counted as the largest document's blocks). :func:`write_default` records
+such). Recomputed tokens per document are ``link_blocks`` × the block size; the variants are
+ranked by :data:`FRONTIER`'s order (``link-all``, every block but the last, is the costliest).
+:func:`write_default` records
 the choice in a model directory's ``span_workflows.json``, which engines and servers started on
 that model read as its defaults.
 """
@@ -36,12 +37,16 @@ class DefaultChoice:
     model: str
     variant: str
     options: dict[str, Any]
-    link_blocks: int
     worst_delta: float
     worst_cell: str
     meets_target: bool
     cells: int
     candidates: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def link_blocks(self) -> int:
+        """Link blocks per span of the chosen options."""
+        return int(self.options["link_blocks"])
 
     def describe(self) -> str:
         """One line for people."""
@@ -70,7 +75,7 @@ def choose_default(rows: list[dict[str, Any]], model: str,
     order = list(FRONTIER)
     name = keeping[0] if keeping else max(worst, key=lambda n: (worst[n][0], -order.index(n)))
     links = FRONTIER[name]
-    return DefaultChoice(model, name, {"attend": "prefix", "link_blocks": links}, links,
+    return DefaultChoice(model, name, {"attend": "prefix", "link_blocks": links},
                          worst[name][0], worst[name][1], bool(keeping), len(cells),
                          {n: w for n, (w, _) in worst.items()})
 
