@@ -658,15 +658,14 @@ def test_the_weights_guide_quality_figures_are_the_committed_ones() -> None:
                    and r["variant"] == variant and r["size"] == size and r["n_docs"] == docs]
         return found
 
-    from span_workflows.apps.bench.readme_tables import SPAN_READY, shipped_adapter_digest
+    from span_workflows.apps.bench.readme_tables import routed_rows, shipped_adapter_digest
 
     page = _flat(_page("weights.md"))
     cells = re.findall(r"(\d+) (short|long) documents: adapter ([+−]\d+\.\d) \(([\d.]+) % "
                        r"against stock's ([\d.]+) %\)", page)
     # every cell the shipped adapter was measured in, and no other
-    shipped = shipped_adapter_digest()
-    measured = {(str(r["n_docs"]), r["size"]) for r in rows if r["variant"] == "routed"
-                and r.get("adapters", {}).get(SPAN_READY) == shipped}
+    measured = {(str(r["n_docs"]), r["size"])
+                for r in routed_rows(rows, shipped_adapter_digest())}
     assert {(docs, size) for docs, size, *_ in cells} == measured, cells
     for docs, size, adapter, accuracy, stock in cells:
         routed = row("routed", size, int(docs))

@@ -42,6 +42,7 @@ class DefaultChoice:
     meets_target: bool
     cells: int
     candidates: dict[str, float] = field(default_factory=dict)
+    tolerance: float = TOLERANCE
 
     @property
     def link_blocks(self) -> int:
@@ -50,8 +51,9 @@ class DefaultChoice:
 
     def describe(self) -> str:
         """One line for people."""
-        verdict = ("every cell within 2 points of stock" if self.meets_target else
-                   "no variant keeps every cell within 2 points of stock: the best reachable")
+        within = f"within {100 * self.tolerance:g} points of stock"
+        verdict = (f"every cell {within}" if self.meets_target else
+                   f"no variant keeps every cell {within}: the best reachable")
         return (f"{self.model}: {self.variant} ({verdict}; worst cell {self.worst_cell} "
                 f"{100 * self.worst_delta:+.1f} points over {self.cells} cells)")
 
@@ -77,7 +79,7 @@ def choose_default(rows: list[dict[str, Any]], model: str,
     links = FRONTIER[name]
     return DefaultChoice(model, name, {"attend": "prefix", "link_blocks": links},
                          worst[name][0], worst[name][1], bool(keeping), len(cells),
-                         {n: w for n, (w, _) in worst.items()})
+                         {n: w for n, (w, _) in worst.items()}, tolerance)
 
 
 def write_default(model_dir: Path, choice: DefaultChoice) -> Path:

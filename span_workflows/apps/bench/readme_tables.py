@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,23 @@ def _points(value: float) -> str:
     return f"{100 * value:+.1f}".replace("-", "−")
 
 
+@cache
 def shipped_adapter_digest() -> str | None:
     """The SHA-256 of the span-ready adapter committed under ``span_workflows/adapters/``
-    (what an engine on the base routes span queries to), ``None`` if it is missing."""
+    (what an engine on the base routes span queries to), ``None`` if it is missing. Hashed
+    once per process: the adapter is installed by ``make adapter``, not while a table is made."""
     from span_vllm.contract import adapter_digest
     from span_workflows.compiler.model import bundled_adapters
 
     path = bundled_adapters().get(SPAN_READY)
     return adapter_digest(path) if path is not None else None
+
+
+def routed_rows(rows: list[dict[str, Any]], adapter: str | None = None) -> list[dict[str, Any]]:
+    """The ``routed`` rows of the base (the default ``Engine()``: span queries on the
+    span-ready adapter), with ``adapter`` (a digest) only those that adapter answered."""
+    return [r for r in rows if r.get("model") == BASE and r["variant"] == "routed"
+            and (adapter is None or r.get("adapters", {}).get(SPAN_READY) == adapter)]
 
 
 def quality_block(rows: list[dict[str, Any]], adapter: str | None = None) -> str:
@@ -47,8 +57,7 @@ def quality_block(rows: list[dict[str, Any]], adapter: str | None = None) -> str
     the base's stock accuracy on the same questions, and the paired difference with its 95 %
     interval. With ``adapter`` (a digest), only the rows that span-ready adapter answered:
     rows of an earlier adapter are not the price of the one shipped."""
-    routed = [r for r in rows if r.get("model") == BASE and r["variant"] == "routed"
-              and (adapter is None or r.get("adapters", {}).get(SPAN_READY) == adapter)]
+    routed = routed_rows(rows, adapter)
     stock = {(r.get("size", "short"), r["n_docs"], r["questions"]): r for r in rows
              if r.get("model") == BASE and r["variant"] == "stock"}
     named = f" {adapter[:8]}" if adapter else ""

@@ -30,6 +30,10 @@ def test_the_fewest_recomputed_tokens_that_keep_every_cell() -> None:
     assert choice.options == {"attend": "prefix", "link_blocks": 2}
     assert choice.worst_cell == "short/8" and choice.cells == 3
     assert "within 2 points" in choice.describe()
+    # a looser tolerance is the one the choice and its line speak of
+    loose = choose_default(rows, "m", tolerance=0.05)
+    assert (loose.variant, loose.tolerance) == ("prefix/link", 0.05)
+    assert "within 5 points" in loose.describe() and "2 points" not in loose.describe()
 
 
 def test_the_best_reachable_is_said_plainly() -> None:
