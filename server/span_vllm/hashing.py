@@ -346,11 +346,12 @@ def weights_key(lora_int_id: int, lora_path: str) -> tuple[str, str]:
     return ("lora", digest)
 
 
-def note_adapter(lora_int_id: int, lora_path: str) -> None:
+def note_adapter(lora_int_id: int, lora_path: str, digest: str | None = None) -> None:
     """The engine core loads (or reloads in place) the adapter ``lora_int_id`` from
-    ``lora_path``: take its digest now, so blocks computed under the weights now loaded are
-    keyed by exactly those weights (blocks of earlier weights at the same path stop hitting)."""
-    _LOADED[(int(lora_int_id), str(lora_path))] = contract_adapter_digest(lora_path)
+    ``lora_path``, whose files have the digest ``digest`` (taken now if not given): blocks
+    computed under the weights now loaded are keyed by exactly those weights (blocks of
+    earlier weights at the same path stop hitting)."""
+    _LOADED[(int(lora_int_id), str(lora_path))] = digest or contract_adapter_digest(lora_path)
 
 
 #: (lora_int_id, lora_path) -> digest of the adapter files the engine core loaded

@@ -43,6 +43,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from span_vllm.adapter_pins import PINS
 from span_vllm.contract import (
     CPU_EXECUTOR_ENV,
     PROBE_CALL,
@@ -93,6 +94,8 @@ TARGETS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("vllm.v1.engine.core", "EngineCore._initialize_kv_caches", ("self", "vllm_config")),
     ("vllm.v1.engine.core", "EngineCore.add_request", ("self", "request")),
     ("vllm.v1.engine.core", "EngineCore.add_lora", ("self", "lora_request")),
+    ("vllm.v1.engine.core", "EngineCore.remove_lora", ("self", "lora_id")),
+    ("vllm.v1.engine.core", "EngineCore.preprocess_add_request", ("self", "request")),
     ("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", ("vllm_config",)),
 )
 SUPPORTED_VLLM = "0.32.0"
@@ -547,6 +550,17 @@ def span_steps(tags: list[str]) -> list[list[int] | None]:
     return CLOCK.steps(tags)
 
 
+def _pinned(lora_request: Any, reload: bool = False) -> Any:
+    """``lora_request`` on its pinned copy, the copy's digest noted as its weights key."""
+    pinned = PINS.pin(lora_request, reload=reload)
+    pin = PINS.pinned(pinned.lora_int_id)
+    if pin is not None and pin.path == pinned.lora_path:
+        note_adapter(pinned.lora_int_id, pin.path, pin.digest)
+    elif reload:  # not copied (a hub id, a failed copy): keyed by its files as loaded now
+        note_adapter(pinned.lora_int_id, pinned.lora_path)
+    return pinned
+
+
 def _patch_engine_core() -> None:
     from vllm.v1.engine.core import EngineCore
 
@@ -572,15 +586,37 @@ def _patch_engine_core() -> None:
 
     _wrap(EngineCore, "add_request", make_add)
 
+    # every load of an adapter, lazy reloads after an eviction included, reads the copy its
+    # blocks are keyed by (adapter_pins)
+    def make_preprocess(original: Callable) -> Callable:
+        def preprocess_add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                request.lora_request = _pinned(lora)
+            return original(self, request, *args, **kwargs)
+
+        return preprocess_add_request
+
+    _wrap(EngineCore, "preprocess_add_request", make_preprocess)
+
     def make_add_lora(original: Callable) -> Callable:
         def add_lora(self: Any, lora_request: Any, *args: Any, **kwargs: Any) -> Any:
-            loaded = original(self, lora_request, *args, **kwargs)
-            note_adapter(lora_request.lora_int_id, lora_request.lora_path)
-            return loaded
+            pinned = _pinned(lora_request, reload=bool(getattr(lora_request, "load_inplace",
+                                                               False)))
+            return original(self, pinned, *args, **kwargs)
 
         return add_lora
 
     _wrap(EngineCore, "add_lora", make_add_lora)
+
+    def make_remove_lora(original: Callable) -> Callable:
+        def remove_lora(self: Any, lora_id: int, *args: Any, **kwargs: Any) -> Any:
+            PINS.forget(lora_id)
+            return original(self, lora_id, *args, **kwargs)
+
+        return remove_lora
+
+    _wrap(EngineCore, "remove_lora", make_remove_lora)
     if not hasattr(EngineCore, PROBE_CALL):
         setattr(EngineCore, PROBE_CALL,
                 lambda self, prompts, salt=None, lora=None: probe(self, prompts, salt, lora))

@@ -131,3 +131,72 @@ def test_the_adapter_is_warmed_at_start_so_a_first_query_builds_no_merged_weight
                                   "Who owns the red house?", max_tokens=4))
     assert result.metrics.weights == SPAN_MODEL_NAME
     assert lora_cpu.merges_built() == built
+
+
+def _adapter_copy(source: Path, target: Path, scale: float) -> Path:
+    """The span-ready adapter at ``target`` with its ``lora_B`` weights times ``scale``."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "adapter_config.json").write_bytes((source / "adapter_config.json").read_bytes())
+    tensors = load_file(source / "adapter_model.safetensors")
+    save_file({k: v * scale if "lora_B" in k else v for k, v in tensors.items()},
+              target / "adapter_model.safetensors")
+    return target
+
+
+def test_an_adapter_reloaded_after_an_eviction_reads_the_weights_its_blocks_are_keyed_by(
+        engine, tmp_path, monkeypatch) -> None:
+    """The default engine holds one LoRA (``max_loras = max_cpu_loras = 1``): two adapters
+    alternating evict each other, and vLLM reloads an evicted one from its path on its next
+    request. Its files rewritten in between (a run saving in place), the reload still reads
+    the weights its cached blocks were computed with; blocks are never shared between the
+    two; an explicit reload (``load_inplace``) is new weights, under a new key."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from span_vllm import contract
+    from span_vllm.adapter_pins import ADAPTER_DIR_ENV
+
+    monkeypatch.setenv(ADAPTER_DIR_ENV, str(tmp_path / "pins"))
+    shipped = engine.router.span_adapter.path
+    a_dir = _adapter_copy(shipped, tmp_path / "a", 1.0)
+    b_dir = _adapter_copy(shipped, tmp_path / "b", -1.0)
+    a = LoRARequest("evict-a", 901, str(a_dir))
+    other = LoRARequest("evict-b", 902, str(b_dir))
+    vllm_config = engine._engine.vllm_config.lora_config
+    assert (vllm_config.max_loras, vllm_config.max_cpu_loras) == (1, 1)
+    text = " ".join(DOCS) + " Who keeps bees on Oak Street?"
+    ids = engine.tokenizer(text)["input_ids"]
+    assert len(ids) > 2 * engine.block_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+
+    def ask(lora: LoRARequest, prompt: list[int] = ids) -> tuple[int, dict[int, float]]:
+        [out] = engine._llm.generate([{"prompt_token_ids": prompt}], params,
+                                     lora_request=lora, use_tqdm=False)
+        top = {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+        return out.num_cached_tokens or 0, top
+
+    try:
+        engine.reset_cache()
+        cached, first = ask(a)
+        assert cached == 0
+        other_cached, on_b = ask(other)  # evicts a; the same tokens under b share nothing
+        assert other_cached == 0 and on_b != first
+        _adapter_copy(shipped, a_dir, 8.0)  # a's files rewritten while a is evicted
+        cached, again = ask(a)  # a reloaded from its path
+        assert cached >= 2 * engine.block_size  # its own blocks, from the cache
+        assert again.keys() == first.keys()
+        assert max(abs(again[t] - first[t]) for t in first) < 1e-4
+        # the explicit reload: the rewritten weights, whose key no cached block has
+        engine._engine.add_lora(LoRARequest("evict-a", 901, str(a_dir), load_inplace=True))
+        cached, reloaded = ask(a)
+        assert cached == 0 and reloaded != first
+        engine._engine.remove_lora(901)
+        engine._engine.remove_lora(902)
+        assert contract.adapter_digest(a_dir) != contract.adapter_digest(b_dir)
+    finally:
+        engine.reset_cache()
+    # the span-ready adapter (evicted by these) answers as before
+    again = engine.execute(b.rag(SYSTEM, DOCS[:4], "Who owns the green house?", max_tokens=16))
+    assert again.metrics.weights == SPAN_MODEL_NAME and "Cleo" in again.text
