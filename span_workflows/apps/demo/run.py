@@ -135,13 +135,15 @@ def _ask(engine: Any, question: str, docs: Sequence[Passage], order: str,
         row[f"{mode}_computed_tokens"] = m.computed_tokens
     row["weights"] = span.metrics.weights
     row["stock_weights"] = stock.metrics.weights
+    row["same_as_stock"] = row["answer"] == row["stock_answer"]
     row["ttft_ratio"] = span.metrics.ttft_s / stock.metrics.ttft_s if stock.metrics.ttft_s else 0.0
     return row
 
 
 # -- the report ----------------------------------------------------------------------------------
 def summary(rows: Sequence[dict[str, Any]]) -> str:
-    """The closing line: total cached tokens and median TTFT ratios."""
+    """The closing line: total cached tokens, median TTFT ratios and how many span answers
+    are word for word stock's."""
     span_cached = sum(r["span_cached_tokens"] for r in rows)
     stock_cached = sum(r["stock_cached_tokens"] for r in rows)
     span_prompt = sum(r["span_prompt_tokens"] for r in rows)
@@ -150,9 +152,11 @@ def summary(rows: Sequence[dict[str, Any]]) -> str:
     reordered = [r["ttft_ratio"] for r in rows if r["order"] == "reversed" and r["ttft_ratio"] > 0]
     median = statistics.median(ratios) if ratios else float("nan")
     median_re = statistics.median(reordered) if reordered else float("nan")
+    same = sum(bool(r["same_as_stock"]) for r in rows)
     return (
         f"Cached tokens: span {span_cached}/{span_prompt} vs stock {stock_cached}/{stock_prompt}."
         f" Median TTFT span/stock: {median:.2f} (reordered runs: {median_re:.2f})."
+        f" Span answers equal to stock's: {same} of {len(rows)}."
     )
 
 
@@ -208,6 +212,7 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
     table.add_column("Docs")
     table.add_column("Answer (span query)", ratio=4)
     table.add_column("Sources", ratio=2)
+    table.add_column("Same as\nstock", no_wrap=True)
     table.add_column("Weights\nspan / stock", ratio=2)
     table.add_column("TTFT ms\nspan / stock", justify="right", no_wrap=True)
     table.add_column("Cached tokens\nspan / stock", justify="right", no_wrap=True)
@@ -218,6 +223,7 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
             "" if r["question"] == previous else r["question"], r["order"],
             _clip(r["answer"], 180) or "(empty)",
             "\n".join(_clip(src, 36) for src in r["sources"]),
+            _same(r),
             f"{_short_weights(r['weights'])} / {_short_weights(r['stock_weights'])}",
             f"{_ms(r['span_ttft_s'])} / {_ms(r['stock_ttft_s'])}",
             f"{r['span_cached_tokens']} / {r['stock_cached_tokens']}",
@@ -225,6 +231,11 @@ def _rich_table(rows: Sequence[dict[str, Any]]) -> Any:
         )
         previous = r["question"]
     return table
+
+
+def _same(row: dict[str, Any]) -> str:
+    """Whether the span answer is word for word the stock answer (on their own weights)."""
+    return "yes" if row["same_as_stock"] else "no"
 
 
 def _short_weights(name: str) -> str:
@@ -235,10 +246,10 @@ def _short_weights(name: str) -> str:
 
 
 def _plain_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = ("question", "order", "TTFT ms span/stock", "cached span/stock",
+    header = ("question", "order", "same as stock", "TTFT ms span/stock", "cached span/stock",
               "weights span/stock")
     body = [
-        (r["question"], r["order"], f"{_ms(r['span_ttft_s'])} / {_ms(r['stock_ttft_s'])}",
+        (r["question"], r["order"], _same(r), f"{_ms(r['span_ttft_s'])} / {_ms(r['stock_ttft_s'])}",
          f"{r['span_cached_tokens']} / {r['stock_cached_tokens']}",
          f"{_short_weights(r['weights'])} / {_short_weights(r['stock_weights'])}")
         for r in rows

@@ -46,3 +46,8 @@ def test_run_demo_one_question(engine):
     report = "\n".join(lines)
     assert "Cached tokens: span" in report and "RAG over the Python stdlib docs" in report
     assert "adapter / base" in report
+    # whether each span answer is stock's, word for word, in a column and the closing line
+    for row in rows:
+        assert row["same_as_stock"] == (row["answer"] == row["stock_answer"])
+    same = sum(r["same_as_stock"] for r in rows)
+    assert "Same as" in report and f"Span answers equal to stock's: {same} of 2." in report
