@@ -14,7 +14,9 @@ meaningful on a shared, noisy machine even when absolute times are not.
   holding what vLLM keeps of it), the *floor* (the system prompt and question alone, stock, on
   the weights stock runs on) and *stock's exact repeat* (the same stock prompt again, every
   document from vLLM's prefix cache: what reading the cached documents costs any engine, the
-  floor a hit can reach).
+  floor a hit can reach). The *linked* new combination is the same on the weights stock runs on
+  with the engine's own span options (the base's default: link blocks computed in the answer's
+  step), what a model nobody made span-ready gets.
 * ``nested`` — judge/generator with a fan-out of n drafts, for each ``align``: the judge's
   TTFT and engine steps, the draft tokens it reads from cache and loses, the drafts' extra
   decode steps (:mod:`span_workflows.apps.bench.align`).
@@ -67,13 +69,14 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
     from span_workflows.apps.bench.quality import new_combinations
 
     rng = random.Random(0)
+    base = engine.model_name  # the weights stock queries run on
     *docs, other_doc = documents(engine.tokenizer, max(docs_counts) * 3 + 1, doc_tokens)
     warm_up = rag(SYSTEM, [other_doc], QUESTION, max_tokens=1)  # a document of no pool
     rows = []
     for n in tqdm(docs_counts, desc="rag", disable=not progress):
         runs: dict[str, list[Any]] = {k: [] for k in ("stock", "stock_repeat", "miss", "hit",
-                                                      "combo", "floor", "stock_new_docs",
-                                                      "new_docs")}
+                                                      "combo", "linked", "floor",
+                                                      "stock_new_docs", "new_docs")}
         same, hits = [], []
         pool = docs[: 3 * n]
         seen, fresh = new_combinations(pool, n, reps, seed=n) if n > 1 else (
@@ -98,14 +101,18 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             hits.append(cached_docs / doc_span_tokens if doc_span_tokens else 0.0)
             same.append(first.text == again.text)
             # a new combination: every document cached by an earlier query, never this set
-            engine.reset_cache()
-            for earlier in seen:
-                engine.execute(rag(SYSTEM, earlier, QUESTION, max_tokens=1))
-            combo = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8))
+            combo = _new_combination(engine, seen, fresh[rep])
             runs["combo"].append(combo)
             engine.reset_cache()
             alone = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8))
             same.append(alone.text == combo.text)  # the hit answers as a fresh engine does
+            # the same on the base with its own default options (link blocks)
+            linked = _new_combination(engine, seen, fresh[rep], base)
+            runs["linked"].append(linked)
+            engine.reset_cache()
+            alone = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8),
+                                   weights=base)
+            same.append(alone.text == linked.text)
             engine.reset_cache()
             # the prompt without the documents, on the weights stock queries run on
             runs["floor"].append(engine.stock(g([system(SYSTEM), user(QUESTION)],
@@ -138,6 +145,15 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             "tokens_new_docs": computed["new_docs"],
             "hit_over_floor": ttft["hit"] / ttft["floor"],
             "new_combination_over_floor": ttft["combo"] / ttft["floor"],
+            "ttft_linked_new_combination_s": ttft["linked"],
+            "steps_linked_new_combination": steps["linked"],
+            "tokens_linked_new_combination": computed["linked"],
+            "speedup_linked_new_combination": ttft["stock"] / ttft["linked"],
+            "linked_new_combination_over_floor": ttft["linked"] / ttft["floor"],
+            "link_blocks_linked": runs["linked"][-1].query.options.link_blocks
+            if runs["linked"][-1].query else None,
+            "link_requests_linked": runs["linked"][-1].metrics.link_requests,
+            "weights_linked": runs["linked"][-1].metrics.weights,
             "steps_stock": steps["stock"], "steps_miss": steps["miss"],
             "steps_hit": steps["hit"], "steps_new_combination": steps["combo"],
             "tokens_stock": computed["stock"], "tokens_miss": computed["miss"],
@@ -149,6 +165,17 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             **provenance(engine, reps=reps),
         })
     return rows
+
+
+def _new_combination(engine: Any, seen: Sequence[Sequence[Any]], fresh: Sequence[Any],
+                     weights: str | None = None) -> Any:
+    """``fresh`` asked on an emptied cache after every set of ``seen`` (each of its documents
+    cached by an earlier query, never this set), on ``weights`` (``None``: the router's
+    choice)."""
+    engine.reset_cache()
+    for earlier in seen:
+        engine.execute(rag(SYSTEM, list(earlier), QUESTION, max_tokens=1), weights=weights)
+    return engine.execute(rag(SYSTEM, list(fresh), QUESTION, max_tokens=8), weights=weights)
 
 
 def _prefix_len(result: Any) -> int:
@@ -315,7 +342,7 @@ def run_bench(name: str, argv: Sequence[str]) -> int:
                 x, ys = "n_docs", ["ttft_stock_s", "ttft_span_miss_s",
                                    "ttft_stock_new_docs_s", "ttft_span_new_docs_s",
                                    "ttft_span_hit_s", "ttft_span_new_combination_s",
-                                   "ttft_floor_s"]
+                                   "ttft_linked_new_combination_s", "ttft_floor_s"]
                 label = "TTFT (s)"
             else:
                 rows = stamp(bench_compile(engine, args.docs, args.doc_tokens, args.reps),

@@ -19,7 +19,11 @@ RAG_KEYS = {"n_docs", "ttft_stock_s", "ttft_span_miss_s", "ttft_span_hit_s",
             "weights_span", "weights_stock", "commit", "machine", "reps", "model", "model_dir",
             "adapters", "ttft_stock_new_docs_s", "ttft_span_new_docs_s", "speedup_new_docs",
             "steps_new_docs", "tokens_stock_new_docs", "tokens_new_docs",
-            "ttft_stock_repeat_s", "tokens_stock_repeat", "new_combination_over_stock_repeat"}
+            "ttft_stock_repeat_s", "tokens_stock_repeat", "new_combination_over_stock_repeat",
+            "ttft_linked_new_combination_s", "steps_linked_new_combination",
+            "tokens_linked_new_combination", "speedup_linked_new_combination",
+            "linked_new_combination_over_floor", "link_blocks_linked", "link_requests_linked",
+            "weights_linked"}
 
 
 @pytest.mark.engine
@@ -47,6 +51,12 @@ def test_rag_bench_rows_have_the_documented_keys(engine) -> None:
     assert one["steps_miss"] == 1  # one document: the answer computes it, no prepare
     # the span-ready adapter needs no link blocks: a new combination is the answer's step
     assert three["steps_new_combination"] == 1
+    # the base with its default (one link block a span): the links in the answer's own step,
+    # computing the question and one block of each span after the first
+    assert three["weights_linked"] == engine.model_name and three["link_blocks_linked"] == 1
+    assert three["steps_linked_new_combination"] == 1 and three["link_requests_linked"] == 2
+    assert (three["tokens_new_combination"] < three["tokens_linked_new_combination"]
+            <= three["tokens_new_combination"] + 2 * engine.block_size)
 
 
 @pytest.mark.engine
