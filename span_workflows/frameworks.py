@@ -98,8 +98,8 @@ class Chunk:
 class QueryRunner:
     """What a framework model needs to run span queries on its backend.
 
-    Mixed into a model that declares the fields below (``span_options`` and ``cache_salt`` are
-    passed with every query when set) and the private attributes ``_server`` (the
+    Mixed into a model that declares the fields below (``span_options``, ``cache_salt`` and
+    ``weights`` are passed with every query when set) and the private attributes ``_server`` (the
     ``SpanServer`` it built) and ``_last_result``.
     """
 
@@ -112,6 +112,7 @@ class QueryRunner:
         max_retries: int
         span_options: Any
         cache_salt: str | None
+        weights: str | None
         _server: QueryBackend | None
         _last_result: Result | None
 
@@ -174,7 +175,8 @@ class QueryRunner:
         return Chunk(held or "", stream.result)
 
     def _query_options(self) -> dict[str, Any]:
-        options = {"span_options": self.span_options, "cache_salt": self.cache_salt}
+        options = {"span_options": self.span_options, "cache_salt": self.cache_salt,
+                   "weights": getattr(self, "weights", None)}
         return {k: v for k, v in options.items() if v is not None}
 
 

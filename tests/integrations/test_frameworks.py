@@ -30,7 +30,8 @@ class FakeBackend:
 class Model(QueryRunner):
     def __init__(self, **fields: Any) -> None:
         defaults = {"backend": None, "server_url": None, "engine": None, "api_key": None,
-                    "timeout": None, "max_retries": 0, "span_options": None, "cache_salt": None}
+                    "timeout": None, "max_retries": 0, "span_options": None, "cache_salt": None,
+                    "weights": None}
         self.__dict__.update({**defaults, **fields})
         self._server = None
         self._last_result = None
@@ -51,6 +52,19 @@ def test_options_go_with_every_query_when_set() -> None:
     model = Model(backend=backend, cache_salt="tenant")
     assert model.execute(QUERY) is RESULT and model.last_result is RESULT
     assert backend.calls == [{"cache_salt": "tenant"}]
+    Model(backend=backend, weights="adapter").execute(QUERY)
+    assert backend.calls[-1] == {"weights": "adapter"}
+
+
+def test_both_framework_models_declare_the_weights_they_run_on() -> None:
+    from langchain_span_workflows import SpanChatModel
+    from llama_index.llms.span_workflows import SpanLLM
+
+    backend = FakeBackend()
+    for model in (SpanChatModel(backend=backend, weights="adapter"),
+                  SpanLLM(backend=backend, weights="adapter")):
+        model.execute(QUERY)
+        assert backend.calls[-1]["weights"] == "adapter"
 
 
 def test_a_stream_holds_back_one_delta_to_send_with_the_result() -> None:

@@ -121,6 +121,10 @@ class SpanChatModel(ToolsMixin, BaseChatModel, QueryRunner):
     default."""
     cache_salt: str | None = None
     """vLLM cache salt: this model's cached KV, spans included, is shared with no other salt."""
+    weights: str | None = None
+    """The weights every call runs on: the base's or an adapter's name (e.g. the span-ready
+    adapter for tool calls too); ``None``: the engine's routing (span queries on the span-ready
+    adapter, tool calls and plain chats on the base)."""
 
     _server: Any = PrivateAttr(default=None)
     _last_result: Any = PrivateAttr(default=None)

@@ -1,6 +1,7 @@
 """A LangGraph prebuilt ReAct agent (``create_react_agent``) with ``SpanChatModel`` on the
 real engine: the model calls both tools, reads their results and answers; from its second call
-on, the history is read from the cache."""
+on, the history is read from the cache. On the engine's routing (the base) and on the
+span-ready adapter."""
 
 from __future__ import annotations
 
@@ -11,21 +12,26 @@ from langchain_core.tools import tool
 from langgraph.prebuilt import create_react_agent
 
 from langchain_span_workflows import SpanChatModel
+from span_workflows.compiler.model import BASE_MODEL_NAME, SPAN_MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
 TOOLS = [tool(get_weather), tool(get_population)]
 
 
-@pytest.fixture(scope="module")
-def run(engine) -> dict:
+@pytest.fixture(scope="module", params=[None, SPAN_MODEL_NAME], ids=["routed", "adapter"])
+def run(engine, request) -> dict:
+    """The agent on the engine's routing (tool calls on the base), and on the span-ready
+    adapter (``weights``: it was trained with tool turns too)."""
     engine.reset_cache()
-    agent = create_react_agent(
-        SpanChatModel(engine=engine, max_tokens=64, tool_once_per_turn=True), TOOLS)
-    return agent.invoke(
+    model = SpanChatModel(engine=engine, max_tokens=64, tool_once_per_turn=True,
+                          weights=request.param)
+    messages = create_react_agent(model, TOOLS).invoke(
         {"messages": [SystemMessage(SYSTEM), HumanMessage(QUESTION)]},
         {"recursion_limit": 12},
     )
+    assert model.last_result.metrics.weights == (request.param or BASE_MODEL_NAME)
+    return messages
 
 
 def test_agent_calls_both_tools_and_answers(run: dict) -> None:

@@ -82,6 +82,9 @@ class SpanLLM(CustomLLM, FunctionCallingLLM, QueryRunner):
     cache_salt: str | None = Field(default=None, description=(
         "vLLM cache salt: this model's cached KV, spans included, is shared with no other "
         "salt."))
+    weights: str | None = Field(default=None, description=(
+        "The weights every call runs on: the base's or an adapter's name; None: the engine's "
+        "routing (span queries on the span-ready adapter, tool calls and chats on the base)."))
 
     tool_once_per_turn: bool = Field(default=False, description=(
         "With tools: a tool already called since the last user message is not offered again "
