@@ -16,7 +16,7 @@ id: vLLM's download is immutable per revision) is not copied.
 
 Copies live in ``SPAN_VLLM_ADAPTER_DIR`` (default ``~/.cache/span-vllm/adapters``), one
 directory per digest, shared by every engine on the machine; they can be deleted while no
-engine runs.
+engine runs. An engine whose workers span several nodes needs a directory they all see.
 """
 
 from __future__ import annotations
