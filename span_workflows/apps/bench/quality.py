@@ -7,7 +7,8 @@ paragraph, 65–85 tokens; ``long``: 256–512 tokens, what a RAG chunker return
 *variant*, document size and document count a row:
 
 * ``accuracy`` — normalized exact match of the answer in the first 40 generated tokens, with
-  its 95 % Wilson interval (``ci_low``, ``ci_high``) and per fact kind (``acc_who`` …);
+  its 95 % Wilson interval (``ci_low``, ``ci_high``), per fact kind (``acc_who`` …) and by
+  where the answering document stands (``acc_first``, ``acc_middle``, ``acc_last``);
   ``delta_vs_stock`` — accuracy minus stock's on the same questions, with its paired 95 %
   interval (``delta_low``, ``delta_high``);
 * ``kl_first_token`` — mean KL divergence of the first generated token's distribution from
@@ -374,9 +375,11 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
     for size in sizes:
         for n_docs in docs_counts:
             answers: dict[str, _Answers] = {}
+            targets: list[int] = []  # where each question's answer stands, seeds in turn
             for question_seed in seeds:
                 questions = make_questions(count, n_docs, question_seed, size=size,
                                            count_tokens=count_tokens)
+                targets += [q.target for q in questions]
                 for variant in variants:
                     key = store.key(variant.name, n_docs, count, question_seed, keyed(variant),
                                     size, code=codes[variant.options is not None
@@ -396,6 +399,7 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
                 layout = (answers.get(_layout_name(variant.options)) if variant.is_span
                           else None)
                 row = _row(variant, n_docs, answers[variant.name], answers["stock"], layout)
+                row.update(by_position(answers[variant.name].correct, targets, n_docs))
                 rows.append({"model": _model_label(model), "size": size, "seeds": seeds,
                              **row})
     bar.close()
@@ -464,7 +468,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
     kinds = list(QUESTION_KINDS)
     head = ["model", "size", "variant", "docs", "questions", "accuracy %", "95 % CI",
-            "Δ vs stock", "Δ 95 % CI", *[f"{k} %" for k in kinds], "KL vs stock",
+            "Δ vs stock", "Δ 95 % CI", *[f"{k} %" for k in kinds],
+            "first / middle / last %", "KL vs stock",
             "KL vs layout", "hit TTFT (s)", "hit steps", "speedup"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -474,7 +479,9 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
                  str(r["questions"]), pct(r["accuracy"]),
                  f"{pct(r['ci_low'])}–{pct(r['ci_high'])}", signed(r.get("delta_vs_stock")),
                  f"{signed(r.get('delta_low'))}…{signed(r.get('delta_high'))}",
-                 *[pct(r[f"acc_{k}"]) for k in kinds], num(r["kl_first_token"]),
+                 *[pct(r[f"acc_{k}"]) for k in kinds],
+                 " / ".join(pct(r.get(f"acc_{p}")) for p in ("first", "middle", "last")),
+                 num(r["kl_first_token"]),
                  num(r["kl_vs_layout"]), num(r.get("ttft_hit_s"), 4),
                  "–" if steps is None else str(steps),
                  "–" if speed is None else f"{speed:.1f}×"]
@@ -649,6 +656,22 @@ def _row(variant: Variant, n_docs: int, own: _Answers, stock: _Answers,
     return row
 
 
+def by_position(correct: Sequence[bool], targets: Sequence[int], n_docs: int
+                ) -> dict[str, float | None]:
+    """Accuracy by where the answering document stands in the prompt: ``acc_first``,
+    ``acc_middle`` (any other place) and ``acc_last``, with the number of questions of each
+    (``n_first``...). Stock prompts favour the first and the last document; a span mode that
+    loses answers may lose them there. ``None`` where no question falls."""
+    places = {"first": lambda t: t == 0, "last": lambda t: t == n_docs - 1,
+              "middle": lambda t: 0 < t < n_docs - 1}
+    out: dict[str, float | None] = {}
+    for name, holds in places.items():
+        picked = [c for c, t in zip(correct, targets, strict=True) if holds(t)]
+        out[f"acc_{name}"] = sum(picked) / len(picked) if picked else None
+        out[f"n_{name}"] = len(picked)
+    return out
+
+
 def paired_delta(own: Sequence[bool], reference: Sequence[bool], z: float = 1.96
                  ) -> tuple[float, float, float]:
     """Accuracy of ``own`` minus ``reference`` on the same questions, with the 95 % interval
@@ -668,5 +691,6 @@ def _mean_kl(ref: list[dict[int, float]], other: list[dict[int, float]]) -> floa
 
 
 __all__ = ["DEFAULT_VARIANTS", "MAX_TOKENS", "SYSTEM", "VARIANTS", "AnswerStore", "Variant",
-           "answer", "bench_quality", "code_version", "hit_ttft", "kl_top", "markdown_table",
-           "merge_rows", "new_combinations", "paired_delta", "plot_quality", "run_quality"]
+           "answer", "bench_quality", "by_position", "code_version", "hit_ttft", "kl_top",
+           "markdown_table", "merge_rows", "new_combinations", "paired_delta", "plot_quality",
+           "run_quality"]

@@ -152,6 +152,15 @@ def test_paired_delta_and_new_combinations() -> None:
         sets.append(frozenset(combination))
 
 
+def test_accuracy_by_where_the_answer_stands() -> None:
+    correct = [True, False, True, True, False, True]
+    targets = [0, 0, 1, 2, 3, 3]
+    assert bq.by_position(correct, targets, 4) == {
+        "acc_first": 0.5, "n_first": 2, "acc_middle": 1.0, "n_middle": 2,
+        "acc_last": 0.5, "n_last": 2}
+    assert bq.by_position([True], [0], 1)["acc_middle"] is None
+
+
 def test_table_and_plot(tmp_path: Path) -> None:
     stock = _answers([True] * 3)
     rows = [{"model": model, "size": size,
@@ -240,9 +249,15 @@ def test_cells_pool_the_questions_of_every_seed_and_keep_them_by_code(
         for q in make_questions(4, 2, seed):
             expected.append(len(q.question) % 2 == 0 and is_correct(q.answer, q.documents[0]))
     assert 0 < sum(expected) < 8  # the pooled accuracy below can tell the seeds apart
+    targets = [q.target for seed in (0, 1) for q in make_questions(4, 2, seed)]
     for row in rows:
         assert row["seeds"] == [0, 1] and row["questions"] == 8
         assert row["accuracy"] == sum(expected) / 8
+        # by where the answer stands (2 documents: first or last, none in the middle)
+        assert row["n_first"] + row["n_last"] == 8 and row["acc_middle"] is None
+        if row["variant"] == "prefix":
+            last = [e for e, t in zip(expected, targets, strict=True) if t == 1]
+            assert row["acc_last"] == (sum(last) / len(last) if last else None)
     keys = [k for k in json.loads((tmp_path / "answers.json").read_text())]
     assert sorted(k.split("|seed=")[1][0] for k in keys) == ["0", "0", "1", "1"]
     # read back, nothing answered again; another code version answers everything again
