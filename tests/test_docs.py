@@ -426,18 +426,22 @@ def test_the_rag_table_of_the_benchmark_notes_is_the_committed_one() -> None:
     for cells in table:
         row = rows[int(cells[0])]
         stock_new, span_new = cells[4].split("/")
-        printed = (cells[1], cells[2], cells[3], stock_new, span_new, *cells[5:10])
+        printed = (cells[1], cells[2], cells[3], stock_new, span_new, *cells[5:14])
         columns = ("ttft_stock_s", "ttft_span_miss_s", "speedup_miss", "ttft_stock_new_docs_s",
                    "ttft_span_new_docs_s", "speedup_new_docs", "ttft_span_hit_s",
-                   "ttft_span_new_combination_s", "ttft_floor_s", "speedup_new_combination")
+                   "ttft_span_new_combination_s", "ttft_floor_s", "ttft_stock_repeat_s",
+                   "new_combination_over_floor", "speedup_new_combination",
+                   "ttft_linked_new_combination_s", "speedup_linked_new_combination")
         for cell, column in zip(printed, columns, strict=True):
             assert _matches(cell, row[column]), (cells[0], column, row[column])
-        steps = [int(n) for n in cells[10].split("/")]
+        steps = [int(n) for n in cells[14].split("/")]
         assert steps == [row[f"steps_{k}"] for k in ("stock", "miss", "new_docs",
-                                                     "new_combination")], cells[0]
-        tokens = [int(n) for n in cells[11].split("/")]
-        assert tokens == [row[f"tokens_{k}"] for k in ("stock", "miss", "new_docs", "hit")]
-        assert cells[12] == ("yes" if row["same_output"] else "no"), cells[0]
+                                                     "new_combination",
+                                                     "linked_new_combination")], cells[0]
+        tokens = [int(n) for n in cells[15].split("/")]
+        assert tokens == [row[f"tokens_{k}"] for k in ("stock", "miss", "new_docs", "hit",
+                                                       "linked_new_combination")]
+        assert cells[16] == ("yes" if row["same_output"] else "no"), cells[0]
 
 
 def test_the_store_table_is_the_committed_one() -> None:
