@@ -448,6 +448,7 @@ def test_the_store_table_is_the_committed_one() -> None:
     rows = {r["way"]: r for r in json.loads((RESULTS / "store.json").read_text())}
     page = _page("span-store.md")
     ways = {"in the KV cache": "in cache", "in the store only (cache cold)": "store",
+            "in the store, read from the disk": "store, disk",
             "stock vLLM (nothing cached)": "stock"}
     table = _table_rows(page, "|".join(re.escape(w) for w in ways))
     assert len(table) == len(ways)
