@@ -96,6 +96,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     _span("prefix/pad-inside", pad="inside"),
     _span("prefix/pad-before", pad="before"),
     _span("prefix/marker", marker=True),
+    _span("prefix/pad-space", pad_text=" "),
     _span("self", attend="self"),
     _span("self/link", attend="self", link_blocks=1),
     _span("self/marker", attend="self", marker=True),
@@ -103,6 +104,7 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     _layout("full@pad-inside", pad="inside"),
     _layout("full@pad-before", pad="before"),
     _layout("full@marker", marker=True),
+    _layout("full@pad-space", pad_text=" "),
 )}
 
 
@@ -634,6 +636,8 @@ def _layout_name(options: SpanOptions | None) -> str:
         return ""
     if options.marker:
         return "full@marker"
+    if options.pad_text == " ":
+        return "full@pad-space"
     return f"full@pad-{options.pad}"
 
 

@@ -430,3 +430,13 @@ def test_the_routed_variant_is_the_default_engines_answers(engine, tmp_path: Pat
     [routed_key] = [k for k in json.loads((tmp_path / "answers.json").read_text())
                     if k.startswith("routed|")]
     assert f"+{SPAN_MODEL_NAME}-{digest}" in routed_key
+
+
+def test_every_span_variant_has_its_layout_read_with_full_attention() -> None:
+    """``kl_vs_layout`` compares a span variant with the ``full@`` variant of its own tokens."""
+    for name, variant in bq.VARIANTS.items():
+        if variant.options is not None and not variant.layout_only:
+            layout = bq.VARIANTS[bq._layout_name(variant.options)]
+            assert layout.layout_only, name
+            assert (layout.options.pad, layout.options.pad_text, layout.options.marker) == (
+                variant.options.pad, variant.options.pad_text, variant.options.marker), name
