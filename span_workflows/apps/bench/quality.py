@@ -290,9 +290,13 @@ class AnswerStore:
                                    for d in answers.first]})
 
     @staticmethod
-    def ttft_key(variant: str, pool: str, k: int, reps: int, model: str) -> str:
-        """The entry name of one span-hit TTFT measurement."""
-        return f"ttft|{variant}|pool={pool}|docs={k}|reps={reps}|model={model}"
+    def ttft_key(variant: str, pool: str, k: int, reps: int, model: str,
+                 code: str = "") -> str:
+        """The entry name of one span-hit TTFT measurement (``code``: the
+        :func:`code_version` that timed it: a change of the plan, e.g. links moved into the
+        answer's step, is timed again)."""
+        key = f"ttft|{variant}|pool={pool}|docs={k}|reps={reps}|model={model}"
+        return f"{key}|code={code}" if code else key
 
     @staticmethod
     def perplexity_key(passages: int, model: str) -> str:
@@ -422,7 +426,8 @@ def bench_quality(engine: Any, variant_names: Sequence[str], docs_counts: Sequen
         for v in variants:
             if v.is_span or v.name == "stock":
                 key = store.ttft_key(v.name, pool_name if pool_name == "440" else
-                                     f"{pool_name}-seed{seeds[0]}", ttft_docs, reps, keyed(v))
+                                     f"{pool_name}-seed{seeds[0]}", ttft_docs, reps, keyed(v),
+                                     code=codes[v.options is not None or v.routed])
                 timed[(v.name, pool_name)] = store.timed(key, lambda v=v, pool=pool: hit_ttft(
                     engine, v.options, pool, ttft_docs, question, reps, routed=v.routed))
     for row in rows:

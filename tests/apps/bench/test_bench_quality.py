@@ -357,6 +357,10 @@ def test_a_span_hit_ttft_is_measured_once_per_pool_and_kept(tmp_path: Path) -> N
     assert (first.read, first.measured_count, second.read, second.measured_count) == (0, 1, 1, 0)
     other = bq.AnswerStore.ttft_key("prefix", "440", 16, 3, "m")  # other repetitions
     assert bq.AnswerStore(path).timed(other, measure) == (0.25, 1) and len(calls) == 2
+    # another code version (a changed plan) is timed again, not read from an older entry
+    newer = bq.AnswerStore.ttft_key("prefix", "440", 16, 1, "m", code="abc")
+    assert newer != key and newer.endswith("|code=abc")
+    assert bq.AnswerStore(path).timed(newer, measure) == (0.25, 1) and len(calls) == 3
 
 
 def test_rows_of_an_earlier_run_merge_and_print_with_their_extra_columns() -> None:
