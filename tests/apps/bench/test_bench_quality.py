@@ -17,6 +17,7 @@ from span_workflows.apps.cli.main import main
 ROW_KEYS = {"model", "size", "seeds", "variant", "n_docs", "questions", "accuracy", "ci_low",
             "ci_high", "delta_vs_stock", "delta_low", "delta_high",
             *(f"acc_{k}" for k in QUESTION_KINDS), "kl_first_token", "kl_vs_layout",
+            *(f"{m}_{p}" for m in ("acc", "n") for p in ("first", "middle", "last")),
             *bq.HIT_COLUMNS}
 
 
