@@ -101,19 +101,12 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
             hits.append(cached_docs / doc_span_tokens if doc_span_tokens else 0.0)
             same.append(first.text == again.text)
             # a new combination: every document cached by an earlier query, never this set
-            combo = _new_combination(engine, seen, fresh[rep])
+            combo, fresh_same = _new_combination(engine, seen, fresh[rep])
             runs["combo"].append(combo)
-            engine.reset_cache()
-            alone = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8))
-            same.append(alone.text == combo.text)  # the hit answers as a fresh engine does
             # the same on the base with its own default options (link blocks)
-            linked = _new_combination(engine, seen, fresh[rep], base)
+            linked, linked_same = _new_combination(engine, seen, fresh[rep], base)
             runs["linked"].append(linked)
-            engine.reset_cache()
-            alone = engine.execute(rag(SYSTEM, fresh[rep], QUESTION, max_tokens=8),
-                                   weights=base)
-            same.append(alone.text == linked.text)
-            engine.reset_cache()
+            same += [fresh_same, linked_same]
             # the prompt without the documents, on the weights stock queries run on
             runs["floor"].append(engine.stock(g([system(SYSTEM), user(QUESTION)],
                                                 max_tokens=1, temperature=0.0)))
@@ -168,14 +161,20 @@ def bench_rag(engine: Any, docs_counts: Sequence[int], doc_tokens: int, reps: in
 
 
 def _new_combination(engine: Any, seen: Sequence[Sequence[Any]], fresh: Sequence[Any],
-                     weights: str | None = None) -> Any:
+                     weights: str | None = None) -> tuple[Any, bool]:
     """``fresh`` asked on an emptied cache after every set of ``seen`` (each of its documents
     cached by an earlier query, never this set), on ``weights`` (``None``: the router's
-    choice)."""
+    choice): its result, and whether it answers as a fresh engine does (``fresh`` asked again
+    on an emptied cache, which is left empty)."""
+    query = rag(SYSTEM, list(fresh), QUESTION, max_tokens=8)
     engine.reset_cache()
     for earlier in seen:
         engine.execute(rag(SYSTEM, list(earlier), QUESTION, max_tokens=1), weights=weights)
-    return engine.execute(rag(SYSTEM, list(fresh), QUESTION, max_tokens=8), weights=weights)
+    hit = engine.execute(query, weights=weights)
+    engine.reset_cache()
+    alone = engine.execute(query, weights=weights)
+    engine.reset_cache()
+    return hit, alone.text == hit.text
 
 
 def _prefix_len(result: Any) -> int:
